@@ -1,0 +1,163 @@
+"""Where a rank's arrays live: NumPy on the host or CuPy on one GPU.
+
+This is the only module that knows about GPUs. It chooses the array module,
+binds a rank to one GPU by its node-local rank, synchronises the producing CUDA
+stream before MPI reads a device buffer, and stages device buffers through
+pinned host memory when MPI is not CUDA-aware. Nothing here communicates, and
+nothing is probed at import time: CuPy is imported the first time a GPU
+backend is asked for.
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["Backend", "array_module", "cupy_or_none", "is_device_array", "to_host"]
+
+
+def cupy_or_none() -> Optional[ModuleType]:
+    """CuPy if it imports and sees at least one CUDA device, else ``None``."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:  # CUDA driver missing or broken: CuPy raises its own runtime errors.
+        return None
+    return cupy
+
+
+def is_device_array(array: Any) -> bool:
+    """True for arrays in GPU memory (anything exposing ``__cuda_array_interface__``)."""
+    return hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray)
+
+
+def to_host(array: Any) -> np.ndarray:
+    """A host NumPy array with ``array``'s data (a copy for device arrays, else a view)."""
+    if is_device_array(array):
+        return array.get()
+    return np.asarray(array)
+
+
+class Backend:
+    """The array module of one rank and, on a GPU, the device it is bound to.
+
+    Create with :meth:`select`. Local: nothing here talks to other ranks.
+    """
+
+    def __init__(self, xp: ModuleType, device_id: Optional[int] = None) -> None:
+        self.xp = xp
+        self.device_id = device_id
+        self._pinned: dict[tuple[int, str], np.ndarray] = {}
+
+    @property
+    def name(self) -> str:
+        """``"numpy"`` or ``"cupy"``."""
+        return self.xp.__name__
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device_id is not None
+
+    def __repr__(self) -> str:
+        where = f"cuda:{self.device_id}" if self.is_gpu else "host"
+        return f"Backend({self.name}, {where})"
+
+    @classmethod
+    def select(cls, device: str = "auto", local_rank: int = 0) -> "Backend":
+        """Choose NumPy or CuPy and bind this rank's GPU.
+
+        Args:
+            device: ``"cpu"``, ``"gpu"`` (CuPy required) or ``"auto"`` (CuPy
+                when it sees a GPU, else NumPy).
+            local_rank: this rank's index among the ranks on its node; the
+                rank uses GPU ``local_rank % visible GPUs``. ``CUDA_VISIBLE_DEVICES``
+                is honoured because CUDA numbers only the visible devices.
+        """
+        if device == "cpu":
+            return cls(np)
+        cupy = cupy_or_none()
+        if cupy is None:
+            if device == "gpu":
+                raise RuntimeError(
+                    "device='gpu' needs CuPy and a visible CUDA device "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+                    "install the 'cuda' extra (pip install 'mpidist[cuda]') or use device='cpu'"
+                )
+            return cls(np)
+        count = cupy.cuda.runtime.getDeviceCount()
+        device_id = local_rank % count
+        cupy.cuda.Device(device_id).use()
+        return cls(cupy, device_id)
+
+    # -- arrays -----------------------------------------------------------------
+    def asarray(self, value: Any, dtype: Any = None) -> Any:
+        """``value`` as an array of this backend (copies across host/device only)."""
+        return self.xp.asarray(value, dtype=dtype)
+
+    def owns(self, array: Any) -> bool:
+        """Whether ``array`` already is an array of this backend's module."""
+        return isinstance(array, self.xp.ndarray)
+
+    # -- handing buffers to MPI -------------------------------------------------
+    @staticmethod
+    def synchronize() -> None:
+        """Wait for the current CUDA stream, so MPI reads finished data."""
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+    def _pinned_like(self, array: Any, reuse: bool) -> np.ndarray:
+        """A page-locked host buffer with ``array``'s shape and dtype (cached when ``reuse``)."""
+        import cupyx
+
+        key = (array.size, array.dtype.str)
+        buf = self._pinned.get(key) if reuse else None
+        if buf is None:
+            buf = cupyx.empty_pinned((array.size,), dtype=array.dtype)
+            if reuse:
+                self._pinned[key] = buf
+        return buf.reshape(array.shape)
+
+    @staticmethod
+    def needs_staging(array: Any, cuda_aware: bool) -> bool:
+        """Whether MPI needs a host copy of ``array`` (a device array, MPI not CUDA-aware)."""
+        return is_device_array(array) and not cuda_aware
+
+    def to_mpi(self, array: Any, cuda_aware: bool, reuse: bool = True) -> Any:
+        """A buffer MPI may use in place of ``array``.
+
+        Host arrays are returned as they are. Device arrays are returned as
+        they are after a stream synchronisation when MPI is CUDA-aware;
+        otherwise their data is copied into a pinned host buffer (reused
+        between calls when ``reuse``; pass ``reuse=False`` for buffers that
+        stay in flight, as in nonblocking calls).
+        """
+        if not is_device_array(array):
+            return array
+        self.synchronize()
+        if not self.needs_staging(array, cuda_aware):
+            return array
+        host = self._pinned_like(array, reuse)
+        array.get(out=host)
+        return host
+
+    def from_mpi(self, array: Any, buffer: Any) -> None:
+        """Copy what MPI wrote into ``buffer`` (from :meth:`to_mpi`) back into ``array``."""
+        if buffer is not array:
+            array.set(buffer)
+            self.synchronize()
+
+
+def array_module(array: Any) -> ModuleType:
+    """``numpy`` or ``cupy``, whichever module ``array`` belongs to."""
+    if is_device_array(array):
+        import cupy
+
+        return cupy
+    return np

@@ -1,0 +1,553 @@
+"""Typed collectives on NumPy/CuPy arrays over a private MPI communicator.
+
+The only module that moves data through MPI. A :class:`Communicator` owns a
+duplicate of the user's communicator, so its traffic never mixes with the
+user's own messages. Every method documented as *collective* must be called by
+every rank of the communicator, in the same order, with compatible arguments.
+
+Before each collective the ranks agree on (sequence number, operation, reduce
+op, dtype, shape); a disagreement raises :class:`~mpidist.CollectiveMismatchError`
+on every rank before any data moves. With a timeout, the agreement runs over
+nonblocking point-to-point messages polled against the deadline, so the
+waiting ranks can name the ranks that never arrived
+(:class:`~mpidist.CollectiveTimeoutError`). Arrays always travel as buffers,
+never pickled; large reductions run in cache-sized pieces.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import time
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist._backend import Backend, array_module, is_device_array
+from mpidist._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, format_ranks
+from mpidist._ops import ReduceOp
+from mpidist._options import Options
+
+__all__ = ["Communicator", "Handle"]
+
+# dtype chars MPI can move; their position is the dtype's code in agreement records.
+_DTYPES = "?bhilqBHILQefdFD"
+_FLOATS = set("efdFD")
+_COMPLEX = set("FD")
+
+
+class _Kind(enum.IntEnum):
+    ALLREDUCE = 1
+    BROADCAST = 2
+    ALLGATHER = 3
+    REDUCE_SCATTER = 4
+    BARRIER = 5
+
+
+class _Bad(enum.IntEnum):
+    """Why a rank could not take part, sent in its agreement record."""
+
+    OK = 0
+    NOT_ARRAY = 1
+    NOT_CONTIGUOUS = 2
+    DTYPE = 3
+    OP_FOR_DTYPE = 4
+    OTHER = 5
+
+
+_OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MEAN: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX, ReduceOp.PROD: MPI.PROD}
+_BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND, ReduceOp.PROD: MPI.LAND}
+
+_MAXDIM = 8
+# record: seq, kind, op, dtype code, ndim, bad, root, then _MAXDIM dims (the last holds the
+# product of any further dims)
+_RECORD = 7 + _MAXDIM
+_TAG_AGREE = 7701
+
+
+def _library_cuda_support() -> Optional[bool]:
+    """What the loaded MPI library says of CUDA support (``None``: it has no query)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libmpi" in line}
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+            query = lib.MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        return bool(query())
+    return None
+
+
+def _describe(record: np.ndarray) -> str:
+    """Human form of one agreement record, e.g. ``allreduce(sum) float32[3, 4]``."""
+    seq, kind, op, dcode, ndim, bad, root = (int(x) for x in record[:7])
+    name = _Kind(kind).name.lower() if kind in _Kind._value2member_map_ else f"kind{kind}"
+    if bad:
+        return f"#{seq} {name}: could not take part ({_Bad(bad).name.lower().replace('_', ' ')})"
+    opname = next((o.value for o, c in _OP_CODES.items() if c == op), None)
+    dims = [int(d) for d in record[7:7 + min(ndim, _MAXDIM)]]
+    dtype = np.dtype(_DTYPES[dcode]).name if 0 <= dcode < len(_DTYPES) else "?"
+    text = f"#{seq} {name}"
+    if opname:
+        text += f"({opname})"
+    if kind == _Kind.BROADCAST:
+        text += f"(root={root})"
+    if kind != _Kind.BARRIER:
+        text += f" {dtype}{dims}"
+    return text
+
+
+class Handle:
+    """A nonblocking collective in flight. ``wait()`` completes it and returns its result."""
+
+    def __init__(self, comm: "Communicator", what: str, requests: list[MPI.Request],
+                 finish: Callable[[], Any]) -> None:
+        self._comm = comm
+        self._what = what
+        self._requests = requests
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def test(self) -> bool:
+        """Local: whether the operation has completed (does not run the finishing step)."""
+        return self._done or bool(MPI.Request.Testall(self._requests))
+
+    def wait(self) -> Any:
+        """Local: block until complete (honouring the communicator's timeout); return the result."""
+        if not self._done:
+            self._comm._wait(self._requests, self._what)
+            self._result = self._finish()
+            self._done = True
+        return self._result
+
+
+class Communicator:
+    """Collectives on arrays over a private duplicate of an MPI communicator.
+
+    Collective construction: every rank of ``comm`` must create it together.
+    Call :meth:`free` (or use it as a context manager) to release it; it is
+    never freed from ``__del__``, because garbage collection runs in a
+    different order on each rank.
+
+    Args:
+        comm: the mpi4py communicator to duplicate (default ``MPI.COMM_WORLD``).
+        options: timeouts, checks and sizes (:class:`~mpidist._options.Options`);
+            default: from ``MPIDIST_*`` environment variables.
+        backend: where arrays live (:class:`~mpidist._backend.Backend`); default
+            NumPy on the host.
+    """
+
+    def __init__(self, comm: Optional[MPI.Comm] = None, options: Optional[Options] = None,
+                 backend: Optional[Backend] = None) -> None:
+        base = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(base, MPI.Intracomm):
+            raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(base).__name__}")
+        self.options = options if options is not None else Options.resolve()
+        self.backend = backend if backend is not None else Backend(np)
+        self._seq = 0
+        self._broken: Optional[str] = None
+        try:
+            self._comm = base.Dup()
+            self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._comm.rank)
+            self._num_nodes = self._comm.allreduce(int(self._node.rank == 0))
+        except MPI.Exception as exc:
+            raise CommError(f"could not set up mpidist's communicator: {exc.Get_error_string()}") from exc
+        self.rank: int = self._comm.rank
+        self.size: int = self._comm.size
+        self.local_rank: int = self._node.rank
+        self.local_size: int = self._node.size
+        self.cuda_aware = self._resolve_cuda_aware() if self.backend.is_gpu else False
+
+    # -- life cycle ----------------------------------------------------------------
+    @property
+    def mpi_comm(self) -> MPI.Intracomm:
+        """The private duplicate communicator (for advanced use; don't free it)."""
+        return self._comm
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of shared-memory nodes the ranks span."""
+        return self._num_nodes
+
+    def free(self) -> None:
+        """Collective: release the duplicated communicators."""
+        for c in (self._node, self._comm):
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self._broken = "the communicator was freed"
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._broken is None:
+            self.free()
+
+    def __repr__(self) -> str:
+        return f"<Communicator rank {self.rank} of {self.size}, {self.backend!r}>"
+
+    # -- collectives -------------------------------------------------------------
+    def allreduce(self, array: Any, op: Union[ReduceOp, str] = ReduceOp.SUM, *, out: Any = None,
+                  inplace: bool = False, name: str = "array") -> Any:
+        """Collective: reduce ``array`` elementwise across all ranks.
+
+        Returns the reduced array (``array`` itself when ``inplace``, else a new
+        array, or ``out`` when given). ``MEAN`` divides the sum by the number of
+        ranks and is only defined for floating and complex dtypes. Buffers
+        larger than ``options.pipeline_bytes`` are reduced in pieces of that
+        size, in place, without a full-size temporary.
+        """
+        return self._allreduce(array, op, out, inplace, name, blocking=True)
+
+    def iallreduce(self, array: Any, op: Union[ReduceOp, str] = ReduceOp.SUM, *, out: Any = None,
+                   inplace: bool = False, name: str = "array") -> Handle:
+        """Collective, nonblocking :meth:`allreduce`: returns a :class:`Handle`.
+
+        Don't touch ``array`` (or ``out``) until ``handle.wait()`` returned.
+        """
+        return self._allreduce(array, op, out, inplace, name, blocking=False)
+
+    def broadcast(self, array: Any, root: int = 0, *, name: str = "array") -> Any:
+        """Collective: overwrite ``array`` on every rank with root's; returns ``array``.
+
+        Every rank passes an array of the same shape and dtype.
+        """
+        return self._broadcast(array, root, name, blocking=True)
+
+    def ibroadcast(self, array: Any, root: int = 0, *, name: str = "array") -> Handle:
+        """Collective, nonblocking :meth:`broadcast`: returns a :class:`Handle`."""
+        return self._broadcast(array, root, name, blocking=False)
+
+    def allgather(self, array: Any, *, name: str = "array") -> Any:
+        """Collective: concatenate every rank's ``array`` along axis 0, in rank order.
+
+        Lengths along axis 0 may differ between ranks; the other dimensions and
+        the dtype must agree. A 0-d array counts as one element. Returns a new
+        array on every rank.
+        """
+        return self._allgather(array, name, blocking=True)
+
+    def iallgather(self, array: Any, *, name: str = "array") -> Handle:
+        """Collective, nonblocking :meth:`allgather`: returns a :class:`Handle`."""
+        return self._allgather(array, name, blocking=False)
+
+    def reduce_scatter(self, array: Any, op: Union[ReduceOp, str] = ReduceOp.SUM,
+                       counts: Optional[Sequence[int]] = None, *, name: str = "array") -> Any:
+        """Collective: reduce ``array`` across ranks, then give each rank its block of axis 0.
+
+        ``counts[r]`` rows go to rank ``r``; by default rows are split as evenly
+        as possible (the first ``len % size`` ranks get one more). Every rank
+        passes the same shape. Returns this rank's block as a new array.
+        """
+        op = ReduceOp.of(op)
+        self._agree(_Kind.REDUCE_SCATTER, array, op, name=name)
+        rows = array.shape[0] if array.ndim else 1
+        counts = self.split_counts(rows) if counts is None else [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != rows or min(counts) < 0:
+            raise ValueError(f"rank {self.rank}: reduce_scatter of {name!r}: counts {counts} must be "
+                             f"{self.size} non-negative numbers adding up to {rows} rows")
+        row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
+        result = array_module(array).empty((counts[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
+        send = self.backend.to_mpi(array, self.cuda_aware)
+        recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
+        self._run(f"reduce_scatter of {name!r}", "Reduce_scatter", send, recv,
+                  [c * row for c in counts], self._mpi_op(op, array.dtype))
+        self.backend.from_mpi(result, recv)
+        if op is ReduceOp.MEAN:
+            result /= self.size
+        return result
+
+    def barrier(self) -> None:
+        """Collective: return once every rank has entered (honours the timeout)."""
+        if self._agreement_on():
+            self._agree(_Kind.BARRIER, None, None, name="barrier")  # the exchange itself synchronises
+            return
+        self._seq += 1
+        self._run("barrier", "Barrier")
+
+    def split_counts(self, n: int) -> list[int]:
+        """Local: ``n`` items split as evenly as possible over the ranks, lower ranks first."""
+        base, extra = divmod(n, self.size)
+        return [base + (1 if r < extra else 0) for r in range(self.size)]
+
+    # -- implementation ------------------------------------------------------------
+    def _allreduce(self, array: Any, op: Union[ReduceOp, str], out: Any, inplace: bool, name: str,
+                   blocking: bool) -> Any:
+        op = ReduceOp.of(op)
+        self._agree(_Kind.ALLREDUCE, array, op, name=name)
+        if inplace and out is not None:
+            raise ValueError(f"rank {self.rank}: allreduce of {name!r}: pass either inplace=True or out=, not both")
+        if inplace:
+            target = array
+        elif out is not None:
+            self._check_out(array, out, name)
+            target = out
+        else:
+            target = array_module(array).empty_like(array)
+        copied = target is not array and self.backend.needs_staging(array, self.cuda_aware)
+        if copied:
+            target[...] = array  # reduce a device copy in place: staging then needs one buffer
+        send = None if target is array or copied else array
+        recv = self.backend.to_mpi(target, self.cuda_aware, reuse=blocking)
+        mpi_op = self._mpi_op(op, array.dtype)
+
+        def piece_args(lo: int, hi: int) -> tuple[Any, Any, MPI.Op]:
+            sbuf = MPI.IN_PLACE if send is None else send.reshape(-1)[lo:hi]
+            return sbuf, recv.reshape(-1)[lo:hi], mpi_op
+
+        def finish() -> Any:
+            self.backend.from_mpi(target, recv)
+            if op is ReduceOp.MEAN:
+                target[...] /= self.size
+            return target
+
+        what = f"allreduce of {name!r}"
+        pieces = self._pieces(target)
+        if not blocking:
+            return Handle(self, what, [self._start("Allreduce", *piece_args(lo, hi)) for lo, hi in pieces], finish)
+        for lo, hi in pieces:
+            self._run(what, "Allreduce", *piece_args(lo, hi))
+        return finish()
+
+    def _broadcast(self, array: Any, root: int, name: str, blocking: bool) -> Any:
+        if not 0 <= root < self.size:
+            raise ValueError(f"rank {self.rank}: broadcast of {name!r}: root {root} is not a rank of a "
+                             f"{self.size}-rank communicator")
+        self._agree(_Kind.BROADCAST, array, None, root=root, name=name)
+        buf = self.backend.to_mpi(array, self.cuda_aware, reuse=blocking)
+
+        def finish() -> Any:
+            self.backend.from_mpi(array, buf)
+            return array
+
+        what = f"broadcast of {name!r}"
+        args = (buf.reshape(-1), root)
+        if not blocking:
+            return Handle(self, what, [self._start("Bcast", *args)] if array.size else [], finish)
+        if array.size:
+            self._run(what, "Bcast", *args)
+        return finish()
+
+    def _allgather(self, array: Any, name: str, blocking: bool) -> Any:
+        records = self._agree(_Kind.ALLGATHER, array, None, name=name)
+        shape = tuple(array.shape) if array.ndim else (1,)
+        if records is None:  # no agreement exchange: gather the lengths alone
+            lengths = np.array(self._call("allgather", self._comm.allgather, shape[0]), dtype=np.int64)
+        else:
+            lengths = np.array([r[7] if r[4] else 1 for r in records], dtype=np.int64)
+        counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        result = array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
+        send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
+        recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
+
+        def finish() -> Any:
+            self.backend.from_mpi(result, recv)
+            return result
+
+        what = f"allgather of {name!r}"
+        dtype = MPI.Datatype.fromcode(array.dtype.char)
+        args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counts.tolist(), displs.tolist()), dtype])
+        if not blocking:
+            return Handle(self, what, [self._start("Allgatherv", *args)], finish)
+        self._run(what, "Allgatherv", *args)
+        return finish()
+
+    def _pieces(self, array: Any) -> list[tuple[int, int]]:
+        step = max(1, self.options.pipeline_bytes // max(1, array.itemsize))
+        return [(lo, min(lo + step, array.size)) for lo in range(0, array.size, step)]
+
+    def _mpi_op(self, op: ReduceOp, dtype: np.dtype) -> MPI.Op:
+        return _BOOL_OPS[op] if dtype.char == "?" else _MPI_OPS[op]
+
+    def _check_out(self, array: Any, out: Any, name: str) -> None:
+        if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
+            raise ValueError(f"rank {self.rank}: allreduce of {name!r}: out= must have the input's shape "
+                             f"{tuple(array.shape)} and dtype {array.dtype}, got "
+                             f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}")
+        if not out.flags.c_contiguous:
+            raise TypeError(f"rank {self.rank}: allreduce of {name!r}: out= must be C-contiguous")
+
+    # -- validation and agreement ---------------------------------------------------
+    def _validate(self, array: Any, op: Optional[ReduceOp], name: str) -> tuple[_Bad, str]:
+        """Local checks of one rank's arguments: (reason code, message) or (OK, "")."""
+        where = f"rank {self.rank}: {name!r}"
+        if not (hasattr(array, "dtype") and hasattr(array, "shape") and hasattr(array, "flags")):
+            return _Bad.NOT_ARRAY, (f"{where} is a {type(array).__name__}, not an array; pass a NumPy "
+                                    "or CuPy array (numpy.asarray(x))")
+        char = array.dtype.char
+        if char not in _DTYPES:
+            return _Bad.DTYPE, (f"{where} has dtype {array.dtype}, which mpidist cannot send; use one of "
+                                "bool, int8-64, uint8-64, float16/32/64, complex64/128")
+        if not array.flags.c_contiguous:
+            return _Bad.NOT_CONTIGUOUS, (f"{where} (shape {tuple(array.shape)}, dtype {array.dtype}) is not "
+                                         "C-contiguous; pass a contiguous copy (numpy.ascontiguousarray(x))")
+        if op is ReduceOp.MEAN and char not in _FLOATS:
+            return _Bad.OP_FOR_DTYPE, (f"{where}: MEAN of dtype {array.dtype} would truncate; reduce a "
+                                       "floating-point copy, or use SUM and divide yourself")
+        if op in (ReduceOp.MIN, ReduceOp.MAX) and char in _COMPLEX:
+            return _Bad.OP_FOR_DTYPE, f"{where}: {op.name} is not defined for complex dtype {array.dtype}"
+        return _Bad.OK, ""
+
+    def _agreement_on(self) -> bool:
+        return self.options.check_collectives or self.options.timeout is not None
+
+    def _agree(self, kind: _Kind, array: Any, op: Optional[ReduceOp], *, root: int = 0,
+               name: str) -> Optional[np.ndarray]:
+        """Validate locally, then (if enabled) exchange records and compare them on every rank.
+
+        Returns all ranks' records (``size x _RECORD``) or ``None`` when the
+        exchange is disabled. Raises the local error on a rank whose arguments
+        are invalid and :class:`CollectiveMismatchError` on the others.
+        """
+        if self._broken is not None:
+            raise CommError(f"rank {self.rank}: communicator unusable: {self._broken}")
+        self._seq += 1
+        bad, message = (_Bad.OK, "") if kind == _Kind.BARRIER else self._validate(array, op, name)
+        if not self._agreement_on():
+            if bad:
+                raise (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
+            return None
+        record = np.zeros(_RECORD, dtype=np.int64)
+        record[:7] = (self._seq, kind, _OP_CODES.get(op, 0), 0, 0, bad, root)
+        if kind != _Kind.BARRIER and not bad:
+            shape = tuple(array.shape)
+            record[3] = _DTYPES.index(array.dtype.char)
+            record[4] = len(shape)
+            dims = list(shape[:_MAXDIM - 1]) + ([int(np.prod(shape[_MAXDIM - 1:]))] if len(shape) >= _MAXDIM else [])
+            record[7:7 + len(dims)] = dims
+        records = self._exchange(record, f"{kind.name.lower()} of {name!r}")
+        if bad:
+            raise (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
+        self._compare(kind, records, name)
+        return records
+
+    def _compare(self, kind: _Kind, records: np.ndarray, name: str) -> None:
+        mine = records[self.rank]
+        # allgather: lengths along axis 0 may differ, so compare everything but dim 0
+        cols = [c for c in range(_RECORD) if not (kind == _Kind.ALLGATHER and c == 7)]
+        key = records[:, cols]
+        if (key == key[0]).all():
+            return
+        described = {r: _describe(records[r]) for r in range(self.size)}
+        groups: dict[str, list[int]] = {}
+        for r, text in described.items():
+            groups.setdefault(text, []).append(r)
+        lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}: {text}"
+                          for text, rs in groups.items())
+        raise CollectiveMismatchError(
+            f"rank {self.rank}: ranks disagree on collective #{int(mine[0])} ({kind.name.lower()} of "
+            f"{name!r}): {lines}. Every rank must call the same collectives in the same order with "
+            "arrays of the same dtype and shape; no array was modified.",
+            described,
+        )
+
+    def _exchange(self, record: np.ndarray, what: str) -> np.ndarray:
+        """Every rank's record, via Allgather, or polled point-to-point messages under a timeout."""
+        records = np.empty((self.size, _RECORD), dtype=np.int64)
+        if self.options.timeout is None:
+            self._call("agreement", self._comm.Allgather, record, records)
+            return records
+        records[self.rank] = record
+        peers = [r for r in range(self.size) if r != self.rank]
+        recvs = [self._call("agreement", self._comm.Irecv, records[r], r, _TAG_AGREE) for r in peers]
+        sends = [self._call("agreement", self._comm.Isend, record, r, _TAG_AGREE) for r in peers]
+        deadline = time.monotonic() + self.options.timeout
+        warn_at = time.monotonic() + self.options.timeout / 2
+        warned = False
+        pause = 0.0
+        while not MPI.Request.Testall(recvs):
+            now = time.monotonic()
+            missing = [r for r, q in zip(peers, recvs) if q != MPI.REQUEST_NULL and not q.Test()]
+            if now >= deadline:
+                for q in recvs + sends:
+                    if q != MPI.REQUEST_NULL:
+                        q.Cancel()
+                self._broken = f"ranks {format_ranks(missing)} never joined {what} (collective #{self._seq})"
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)} did not "
+                    f"join {what} (collective #{self._seq}) within {self.options.timeout:g} s. A rank that "
+                    "skips a collective, calls a different one, or died leaves the others waiting; every "
+                    "rank must call the same collectives in the same order.", missing)
+            if not warned and now >= warn_at and missing:
+                warned = True
+                warnings.warn(f"mpidist rank {self.rank}: still waiting for rank(s) {format_ranks(missing)} "
+                              f"to join {what} (collective #{self._seq}) after {self.options.timeout / 2:g} s",
+                              RuntimeWarning, stacklevel=4)
+            pause = min(1e-3, pause * 2 or 1e-6)
+            time.sleep(pause)
+        MPI.Request.Waitall(sends)
+        return records
+
+    def _wait(self, requests: list[MPI.Request], what: str) -> None:
+        """Complete ``requests``, polling against the timeout when one is set."""
+        if self.options.timeout is None:
+            try:
+                MPI.Request.Waitall(requests)
+            except MPI.Exception as exc:
+                raise CommError(f"rank {self.rank}: {what} failed in MPI: {exc.Get_error_string()}") from exc
+            return
+        deadline = time.monotonic() + self.options.timeout
+        pause = 0.0
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() >= deadline:
+                self._broken = f"{what} (collective #{self._seq}) never completed"
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: {what} (collective #{self._seq}) did not complete within "
+                    f"{self.options.timeout:g} s although every rank had joined it; a rank may have died")
+            pause = min(1e-3, pause * 2 or 1e-6)
+            time.sleep(pause)
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except MPI.Exception as exc:
+            raise CommError(f"rank {self.rank}: MPI error in {what}: {exc.Get_error_string()}") from exc
+
+    def _start(self, mpi_name: str, *args: Any) -> MPI.Request:
+        """Start the nonblocking form of an MPI collective (``Allreduce`` -> ``Iallreduce``)."""
+        return self._call(mpi_name, getattr(self._comm, "I" + mpi_name.lower()), *args)
+
+    def _run(self, what: str, mpi_name: str, *args: Any) -> None:
+        """Run an MPI collective to completion.
+
+        Without a timeout this is the blocking call (MPI libraries tune those
+        best); with one, the nonblocking form polled against the deadline.
+        """
+        if self.options.timeout is None:
+            self._call(what, getattr(self._comm, mpi_name), *args)
+        else:
+            self._wait([self._start(mpi_name, *args)], what)
+
+    # -- CUDA awareness ------------------------------------------------------------------
+    def _resolve_cuda_aware(self) -> bool:
+        """Collective: decide whether MPI may be handed device buffers (``options.cuda_aware``)."""
+        setting = self.options.cuda_aware
+        if setting in ("0", "1"):
+            return setting == "1"
+        claimed = _library_cuda_support()
+        ok = bool(claimed) and self._cuda_self_test()
+        agreed = self._comm.allreduce(int(ok), op=MPI.MIN)
+        if not agreed and self.rank == 0:
+            warnings.warn("mpidist: MPI is not CUDA-aware (or its self-test failed): GPU arrays are "
+                          "staged through pinned host memory. Set MPIDIST_CUDA_AWARE=1 to skip the check "
+                          "on an MPI you know is CUDA-aware.", RuntimeWarning, stacklevel=3)
+        return bool(agreed)
+
+    def _cuda_self_test(self) -> bool:
+        """One device-buffer allreduce compared against the host result."""
+        xp = self.backend.xp
+        probe = xp.full(1024, self.rank + 1, dtype=xp.float64)
+        self.backend.synchronize()
+        try:
+            self._comm.Allreduce(MPI.IN_PLACE, probe, MPI.SUM)
+        except MPI.Exception:
+            return False
+        return bool((probe == self.size * (self.size + 1) / 2).all())

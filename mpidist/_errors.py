@@ -1,0 +1,68 @@
+"""mpidist's exception hierarchy.
+
+Every error mpidist raises on purpose derives from :class:`MpidistError`, and
+also from the built-in type a Python user would expect (``ValueError`` for bad
+input, ``RuntimeError`` for a failure of the run), so both ``except`` styles
+work. Errors coming out of MPI are translated into :class:`CommError` with
+``raise ... from`` so the original MPI error stays attached.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+__all__ = [
+    "MpidistError",
+    "CommError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+]
+
+
+class MpidistError(Exception):
+    """Base class of every exception mpidist raises on purpose."""
+
+
+class CommError(MpidistError, RuntimeError):
+    """An MPI call failed; the MPI error is chained as ``__cause__``."""
+
+
+class CollectiveMismatchError(MpidistError, ValueError):
+    """Ranks entered the same collective with incompatible arguments.
+
+    Raised on every rank of the communicator, before any data moved, so no
+    array was modified. ``records`` maps each rank to a description of what it
+    passed (operation, shape, dtype, reduce op).
+    """
+
+    def __init__(self, message: str, records: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.records = dict(records or {})
+
+
+class CollectiveTimeoutError(MpidistError, RuntimeError):
+    """Some ranks did not join a collective within the configured timeout.
+
+    ``missing_ranks`` lists the ranks (of the communicator) that did not
+    arrive. The communicator is unusable afterwards: the collective it was
+    waiting for can no longer complete consistently.
+    """
+
+    def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing_ranks = tuple(missing_ranks)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: compact rank lists for messages."""
+    out: list[str] = []
+    run: list[int] = []
+    for r in sorted(set(ranks)):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [r]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(out)

@@ -1,0 +1,112 @@
+"""Validated configuration: keyword options over ``MPIDIST_*`` environment variables.
+
+Precedence: an explicit keyword argument, then the environment variable, then
+the default. Unknown keywords and malformed values raise ``ValueError`` naming
+the option and the accepted values, so a typo never silently does nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Optional
+
+__all__ = ["Options"]
+
+_MIB = 1 << 20
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected one of 1/0, true/false, yes/no, on/off, got {text!r}")
+
+
+def _parse_timeout(text: str) -> Optional[float]:
+    low = text.strip().lower()
+    if low in ("", "none", "0", "off"):
+        return None
+    return float(low)
+
+
+def _parse_choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        low = text.strip().lower()
+        if low not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return low
+
+    return parse
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "timeout": _parse_timeout,
+    "check_collectives": _parse_bool,
+    "device": _parse_choice("auto", "cpu", "gpu"),
+    "cuda_aware": _parse_choice("auto", "1", "0"),
+    "pipeline_bytes": int,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Settings of a :class:`~mpidist.MPIStrategy` and its communicator.
+
+    Attributes:
+        timeout: seconds a rank waits for the others to join a collective
+            before raising :class:`~mpidist.CollectiveTimeoutError`; ``None``
+            waits forever (``MPIDIST_TIMEOUT``).
+        check_collectives: before each collective, ranks agree on operation,
+            shape, dtype and reduce op, and raise
+            :class:`~mpidist.CollectiveMismatchError` on disagreement. Costs one
+            small allgather per collective (``MPIDIST_CHECK``).
+        device: ``"cpu"`` (NumPy), ``"gpu"`` (CuPy, one GPU per rank) or
+            ``"auto"`` (GPU when CuPy finds one) (``MPIDIST_DEVICE``).
+        cuda_aware: whether MPI may be handed GPU buffers: ``"1"``, ``"0"``
+            (stage through pinned host memory) or ``"auto"`` (ask MPI, then
+            confirm with a one-time self-test) (``MPIDIST_CUDA_AWARE``).
+        pipeline_bytes: reductions of larger buffers run in pieces of this
+            many bytes, which keeps each piece in cache
+            (``MPIDIST_PIPELINE_BYTES``).
+    """
+
+    timeout: Optional[float] = None
+    check_collectives: bool = True
+    device: str = "auto"
+    cuda_aware: str = "auto"
+    pipeline_bytes: int = 4 * _MIB
+
+    def __post_init__(self) -> None:
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"option timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        if self.pipeline_bytes < 1024:
+            raise ValueError(f"option pipeline_bytes must be at least 1024, got {self.pipeline_bytes!r}")
+        for name in ("device", "cuda_aware"):
+            _PARSERS[name](str(getattr(self, name)))
+
+    @classmethod
+    def resolve(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Options":
+        """Build options from keyword overrides, then ``MPIDIST_*`` variables, then defaults."""
+        env = os.environ if env is None else env
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(f"unknown mpidist option(s) {', '.join(unknown)}; known options: {', '.join(sorted(fields))}")
+        values: dict[str, Any] = {}
+        for name in fields:
+            var = "MPIDIST_" + ("CHECK" if name == "check_collectives" else name.upper())
+            if name in overrides:
+                value = overrides[name]
+                values[name] = _PARSERS[name](value) if isinstance(value, str) else value
+            elif var in env:
+                try:
+                    values[name] = _PARSERS[name](env[var])
+                except ValueError as exc:
+                    raise ValueError(f"environment variable {var}: {exc}") from None
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Options":
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,576 @@
+"""Distributed values: per-replica and mirrored values, ``regroup``, ``select_replica``.
+
+A *distributed value* has one component per replica. Under MPI a replica is a
+rank, and each rank holds only its own component, so a distributed value on
+rank ``r`` is simply ``{r: component}``; in serial code (tests, one process
+simulating several replicas) one object may hold several components.
+
+- :class:`PerReplica`: components that are not synchronized (each replica's
+  batch, loss, gradients). Not usable as the component itself.
+- :class:`Mirrored`: components kept identical on all replicas. It behaves
+  like its local component: attribute access, Python operators, indexing,
+  ``len``/``iter``/``bool``/``float``, ``numpy.asarray`` and the CUDA array
+  interface / DLPack protocols all go to the local component.
+- :func:`regroup` turns ``{replica id: nest}`` into one nest of distributed
+  values (what ``strategy.run`` returns); :func:`select_replica` undoes it
+  for one replica (what ``strategy.run`` passes to the replica function).
+
+Components of distributed *variables* are mapped back to their variable by
+:func:`regroup`. The variables layer makes that possible by calling
+:func:`register_component` for every component it creates; the registry
+holds only weak references to the variables.
+
+Everything in this module is local: no function or method here communicates
+with other ranks. This layer does not import MPI.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+import numpy
+
+from mpidist._nest import assert_same_structure, map_structure, map_structure_with_path
+
+__all__ = [
+    "DistributedValues",
+    "Mirrored",
+    "PerReplica",
+    "regroup",
+    "select_replica",
+    "select_replica_mirrored",
+]
+
+_NUMPY2 = int(numpy.__version__.split(".")[0]) >= 2
+
+
+# --------------------------------------------------------------------------
+# Replica ids
+# --------------------------------------------------------------------------
+
+
+def _as_replica_id(value: Any, what: str = "replica id") -> int:
+    """``value`` as a non-negative ``int`` (NumPy integers accepted, ``bool`` rejected)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be an int (a rank), got {value!r} of type {type(value).__name__}")
+    rid = operator.index(value)
+    if rid < 0:
+        raise ValueError(f"{what} must be >= 0 (a rank), got {rid}")
+    return rid
+
+
+def _normalize_index(index: Mapping[int, Any], owner: str) -> dict[int, Any]:
+    """A copy of ``index`` with int keys, ordered by replica id; rejects empty/non-int indexes."""
+    if not isinstance(index, Mapping):
+        raise TypeError(
+            f"{owner} expects a mapping from replica id to value, got {type(index).__name__}"
+        )
+    if len(index) == 0:
+        raise ValueError(f"{owner} needs at least one replica, got an empty index")
+    out: dict[int, Any] = {}
+    for key, value in index.items():
+        rid = _as_replica_id(key, what=f"{owner}: replica id (index key)")
+        if rid in out:
+            raise ValueError(f"{owner}: replica id {rid} appears twice in the index")
+        out[rid] = value
+    return dict(sorted(out.items()))
+
+
+# --------------------------------------------------------------------------
+# DistributedValues, PerReplica
+# --------------------------------------------------------------------------
+
+
+class DistributedValues:
+    """One component per replica, for the replicas local to this process.
+
+    Args:
+        index: maps replica id (an ``int``, the rank under MPI) to that
+            replica's component. Under MPI this is ``{rank: value}``.
+
+    Raises:
+        ValueError: ``index`` is empty.
+        TypeError: ``index`` is not a mapping, or a key is not an ``int``.
+    """
+
+    def __init__(self, index: Mapping[int, Any]) -> None:
+        self._index: dict[int, Any] = _normalize_index(index, type(self).__name__)
+
+    @property
+    def values(self) -> Tuple[Any, ...]:
+        """The local components, ordered by replica id. Local."""
+        return tuple(self._index.values())
+
+    @property
+    def replica_ids(self) -> Tuple[int, ...]:
+        """The ids of the local replicas, matching :attr:`values`. Local."""
+        return tuple(self._index)
+
+    def get(self, replica_id: Optional[int] = None) -> Any:
+        """The component of replica ``replica_id``. Local: no communication.
+
+        With ``replica_id=None``, the local component; that needs exactly one
+        local component (always the case under MPI, one replica per rank).
+
+        Raises:
+            ValueError: ``replica_id`` is not local, or it is ``None`` and
+                several components are local.
+        """
+        if replica_id is None:
+            if len(self._index) == 1:
+                return next(iter(self._index.values()))
+            raise ValueError(
+                f"{type(self).__name__}.get(): this value holds components for replicas "
+                f"{list(self._index)}; pass replica_id to choose one (get() without an id "
+                f"needs exactly one local component)"
+            )
+        rid = _as_replica_id(replica_id)
+        try:
+            return self._index[rid]
+        except KeyError:
+            raise ValueError(
+                f"{type(self).__name__}.get(): replica {rid} is not local; "
+                f"local replicas: {list(self._index)}"
+            ) from None
+
+    def __repr__(self) -> str:
+        index = self.__dict__.get("_index", "<uninitialized>")
+        return f"{type(self).__name__}({index!r})"
+
+    __str__ = __repr__
+
+
+class PerReplica(DistributedValues):
+    """Unsynchronized values: each replica's component may differ.
+
+    Unlike :class:`Mirrored`, a ``PerReplica`` is not a stand-in for its
+    component: use ``.get()``, ``strategy.run`` (which unwraps it) or
+    ``strategy.reduce``/``gather``.
+    """
+
+
+# --------------------------------------------------------------------------
+# Delegation
+# --------------------------------------------------------------------------
+
+# Protocol attributes forwarded to the component (properties below).
+_FORWARDED_PROTOCOLS = frozenset({"__cuda_array_interface__", "__dlpack__", "__dlpack_device__"})
+
+
+class _Delegate(DistributedValues):
+    """A distributed value that acts as its local component.
+
+    Public attribute access (``m.shape``, ``m.sum()``), Python operators,
+    indexing, ``len``/``iter``/``bool``/numeric conversions and the array
+    protocols go to :meth:`get` (the local component). All of it is local.
+
+    Names that start with ``_`` are not delegated, so that ``copy``,
+    ``pickle`` and NumPy's protocol probes see the container, never the
+    component (and nothing recurses before ``_index`` is set).
+    """
+
+    # Higher than ndarray's, so ``ndarray <op> mirrored`` defers to our
+    # reflected operators instead of NumPy converting us itself.
+    __array_priority__ = 100.0
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup failed.
+        if name.startswith("_"):
+            detail = ""
+            if name in _FORWARDED_PROTOCOLS:
+                index = self.__dict__.get("_index")
+                if index is not None and len(index) == 1:
+                    comp = next(iter(index.values()))
+                    detail = f" (its local component, of type {type(comp).__name__}, has none)"
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{detail}")
+        if "_index" not in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r} (not initialized)"
+            )
+        return getattr(self.get(), name)
+
+    # -- arithmetic ---------------------------------------------------------
+    def __add__(self, o: Any) -> Any:
+        return self.get() + o
+
+    def __radd__(self, o: Any) -> Any:
+        return o + self.get()
+
+    def __sub__(self, o: Any) -> Any:
+        return self.get() - o
+
+    def __rsub__(self, o: Any) -> Any:
+        return o - self.get()
+
+    def __mul__(self, o: Any) -> Any:
+        return self.get() * o
+
+    def __rmul__(self, o: Any) -> Any:
+        return o * self.get()
+
+    def __truediv__(self, o: Any) -> Any:
+        return self.get() / o
+
+    def __rtruediv__(self, o: Any) -> Any:
+        return o / self.get()
+
+    def __floordiv__(self, o: Any) -> Any:
+        return self.get() // o
+
+    def __rfloordiv__(self, o: Any) -> Any:
+        return o // self.get()
+
+    def __mod__(self, o: Any) -> Any:
+        return self.get() % o
+
+    def __rmod__(self, o: Any) -> Any:
+        return o % self.get()
+
+    def __divmod__(self, o: Any) -> Any:
+        return divmod(self.get(), o)
+
+    def __rdivmod__(self, o: Any) -> Any:
+        return divmod(o, self.get())
+
+    def __pow__(self, o: Any, modulo: Any = None) -> Any:
+        if modulo is None:
+            return pow(self.get(), o)
+        return pow(self.get(), o, modulo)
+
+    def __rpow__(self, o: Any, modulo: Any = None) -> Any:
+        if modulo is None:
+            return pow(o, self.get())
+        return pow(o, self.get(), modulo)
+
+    def __matmul__(self, o: Any) -> Any:
+        return self.get() @ o
+
+    def __rmatmul__(self, o: Any) -> Any:
+        return o @ self.get()
+
+    # -- bitwise ------------------------------------------------------------
+    def __and__(self, o: Any) -> Any:
+        return self.get() & o
+
+    def __rand__(self, o: Any) -> Any:
+        return o & self.get()
+
+    def __or__(self, o: Any) -> Any:
+        return self.get() | o
+
+    def __ror__(self, o: Any) -> Any:
+        return o | self.get()
+
+    def __xor__(self, o: Any) -> Any:
+        return self.get() ^ o
+
+    def __rxor__(self, o: Any) -> Any:
+        return o ^ self.get()
+
+    def __lshift__(self, o: Any) -> Any:
+        return self.get() << o
+
+    def __rlshift__(self, o: Any) -> Any:
+        return o << self.get()
+
+    def __rshift__(self, o: Any) -> Any:
+        return self.get() >> o
+
+    def __rrshift__(self, o: Any) -> Any:
+        return o >> self.get()
+
+    # -- comparisons (Python tries the swapped form for reflected cases) ---
+    def __lt__(self, o: Any) -> Any:
+        return self.get() < o
+
+    def __le__(self, o: Any) -> Any:
+        return self.get() <= o
+
+    def __gt__(self, o: Any) -> Any:
+        return self.get() > o
+
+    def __ge__(self, o: Any) -> Any:
+        return self.get() >= o
+
+    def __eq__(self, o: Any) -> Any:  # type: ignore[override]
+        return self.get() == o
+
+    def __ne__(self, o: Any) -> Any:  # type: ignore[override]
+        return self.get() != o
+
+    # Defining __eq__ would otherwise make instances unhashable; keep identity
+    # hashing so distributed values can be dict keys and set members.
+    __hash__ = object.__hash__
+
+    # -- unary --------------------------------------------------------------
+    def __neg__(self) -> Any:
+        return -self.get()
+
+    def __pos__(self) -> Any:
+        return +self.get()
+
+    def __invert__(self) -> Any:
+        return ~self.get()
+
+    def __abs__(self) -> Any:
+        return abs(self.get())
+
+    # -- container protocol -------------------------------------------------
+    def __getitem__(self, key: Any) -> Any:
+        return self.get()[key]
+
+    def __len__(self) -> int:
+        return len(self.get())
+
+    def __iter__(self) -> Any:
+        return iter(self.get())
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.get()
+
+    # -- conversions --------------------------------------------------------
+    def __bool__(self) -> bool:
+        return bool(self.get())
+
+    def __float__(self) -> float:
+        return float(self.get())
+
+    def __int__(self) -> int:
+        return int(self.get())
+
+    def __index__(self) -> int:
+        return operator.index(self.get())
+
+    def __complex__(self) -> complex:
+        return complex(self.get())
+
+    def __round__(self, ndigits: Optional[int] = None) -> Any:
+        if ndigits is None:
+            return round(self.get())
+        return round(self.get(), ndigits)
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return str(self)
+        return format(self.get(), spec)
+
+    # -- array protocols ----------------------------------------------------
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> numpy.ndarray:
+        """NumPy's view of the local component (``numpy.asarray(m)``). Local.
+
+        A device (CuPy) component fails here exactly as ``numpy.asarray`` of
+        the component itself does: no implicit device-to-host copy.
+        """
+        component = self.get()
+        if copy:
+            return numpy.array(component, dtype=dtype, copy=True)
+        if copy is False and _NUMPY2:
+            return numpy.asarray(component, dtype=dtype, copy=False)
+        return numpy.asarray(component, dtype=dtype)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """The local component's CUDA array interface (``AttributeError`` if it has none)."""
+        return self.get().__cuda_array_interface__
+
+    @property
+    def __dlpack__(self) -> Callable[..., Any]:
+        """The local component's ``__dlpack__`` method (``AttributeError`` if it has none)."""
+        return self.get().__dlpack__
+
+    @property
+    def __dlpack_device__(self) -> Callable[[], Any]:
+        """The local component's ``__dlpack_device__`` method (``AttributeError`` if none)."""
+        return self.get().__dlpack_device__
+
+
+class Mirrored(_Delegate):
+    """Values kept identical on all replicas; usable as the local component.
+
+    ``m + 1``, ``m.shape``, ``m[1:]``, ``numpy.asarray(m)`` all act on the
+    local component and return plain values (NumPy/CuPy arrays), not
+    ``Mirrored``. In-place operators (``m += 1``) rebind the name to the plain
+    result instead of changing the component, so a ``Mirrored`` never drifts
+    out of sync by local mutation. Everything here is local.
+    """
+
+
+# --------------------------------------------------------------------------
+# Registry of variable components
+# --------------------------------------------------------------------------
+
+# id(component) -> (weak reference to its container, replica id)
+_registry: dict[int, Tuple["weakref.ref[DistributedValues]", int]] = {}
+
+# Immutable builtins may be shared objects (small ints, interned strings): an
+# id-keyed registry would mistake unrelated values for components.
+_UNREGISTRABLE = (type(None), bool, int, float, complex, str, bytes, tuple)
+
+
+def register_component(container: DistributedValues, replica_id: int, component: Any) -> None:
+    """Record that ``component`` is ``container``'s component of replica ``replica_id``.
+
+    For the variables layer: after this, :func:`regroup` maps the component
+    (on every replica) back to ``container``. The registry keeps only a weak
+    reference to ``container`` and drops the entry when ``container`` is
+    garbage collected. Local: no communication.
+
+    Raises:
+        TypeError: ``container`` is not a :class:`DistributedValues`, or
+            ``component`` is an immutable builtin (``int``, ``str``, ...),
+            which may be shared with unrelated code.
+    """
+    if not isinstance(container, DistributedValues):
+        raise TypeError(
+            f"register_component: container must be a DistributedValues, got {type(container).__name__}"
+        )
+    rid = _as_replica_id(replica_id)
+    if isinstance(component, _UNREGISTRABLE):
+        raise TypeError(
+            f"register_component: a component must be an object owned by its container "
+            f"(an array), not a {type(component).__name__}"
+        )
+    key = id(component)
+    ref = weakref.ref(container)
+    _registry[key] = (ref, rid)
+    fin = weakref.finalize(container, _forget_component, key, ref)
+    fin.atexit = False
+
+
+def _forget_component(key: int, ref: "weakref.ref[DistributedValues]") -> None:
+    entry = _registry.get(key)
+    if entry is not None and entry[0] is ref:
+        _registry.pop(key, None)
+
+
+def _owner_of(obj: Any) -> Optional[Tuple[DistributedValues, int]]:
+    """``(container, replica_id)`` if ``obj`` is a registered, current component, else ``None``.
+
+    Verifies that the container is alive and still holds this very object at
+    that replica id (``id()`` values are reused after objects die). Local.
+    """
+    entry = _registry.get(id(obj))
+    if entry is None:
+        return None
+    ref, rid = entry
+    container = ref()
+    if container is None:
+        return None
+    index = container.__dict__.get("_index")
+    if index is None or rid not in index or index[rid] is not obj:
+        return None
+    return container, rid
+
+
+# --------------------------------------------------------------------------
+# regroup / select_replica
+# --------------------------------------------------------------------------
+
+
+def _regroup_leaf(
+    ids: Tuple[int, ...],
+    leaves: Tuple[Any, ...],
+    wrap_class: Callable[[Mapping[int, Any]], Any],
+    wrap_identical: Optional[Callable[[Any], bool]],
+) -> Any:
+    first = leaves[0]
+    # Components of one distributed variable, each at its own replica id.
+    owner = _owner_of(first)
+    if owner is not None:
+        container = owner[0]
+        for rid, leaf in zip(ids, leaves):
+            o = _owner_of(leaf)
+            if o is None or o[0] is not container or o[1] != rid:
+                break
+        else:
+            return container
+    # The same object everywhere: return it as is.
+    if all(leaf is first for leaf in leaves[1:]):
+        if isinstance(first, DistributedValues) or wrap_identical is None or not wrap_identical(first):
+            return first
+    return wrap_class(dict(zip(ids, leaves)))
+
+
+def regroup(
+    index: Mapping[int, Any],
+    wrap_class: Callable[[Mapping[int, Any]], Any] = PerReplica,
+    *,
+    wrap_identical: Optional[Callable[[Any], bool]] = None,
+) -> Any:
+    """Turn ``{replica id: nest}`` into one nest of distributed values. Local.
+
+    The nests (lists, tuples, namedtuples, dicts) must have the same
+    structure; the result has that structure (a namedtuple keeps its type,
+    dicts keep their keys). Each leaf position becomes:
+
+    - the distributed variable itself, when every replica's leaf is that
+      variable's component for that replica (see :func:`register_component`);
+    - the leaf itself, when it is the same object on every replica (so with
+      one replica a nest of plain values comes back unchanged, and a
+      distributed value shared by all replicas comes back as it is);
+    - otherwise ``wrap_class({replica id: leaf})`` (``PerReplica`` by default).
+
+    Args:
+        index: replica id -> that replica's nest.
+        wrap_class: what to wrap differing leaves in (``PerReplica``, ``Mirrored``).
+        wrap_identical: optional predicate; a leaf that is the same object on
+            every replica is wrapped anyway when ``wrap_identical(leaf)`` is
+            true (distributed values are never wrapped). Under MPI each rank
+            regroups only its own replica, so every leaf is trivially "the
+            same on every replica"; pass e.g. a test for arrays to get
+            ``PerReplica`` arrays there.
+
+    Raises:
+        ValueError: the nests differ in structure (the message names the
+            path and the two replica ids), or ``index`` is empty.
+    """
+    per_replica = _normalize_index(index, "regroup")
+    ids = tuple(per_replica)
+    nests = tuple(per_replica.values())
+    for rid, nest in zip(ids[1:], nests[1:]):
+        try:
+            assert_same_structure(nests[0], nest)
+        except ValueError as e:
+            raise ValueError(
+                f"regroup: the nests of replica {ids[0]} and replica {rid} differ: {e}"
+            ) from None
+    return map_structure(
+        lambda *leaves: _regroup_leaf(ids, leaves, wrap_class, wrap_identical), *nests
+    )
+
+
+def select_replica(replica_id: Optional[int], nest: Any) -> Any:
+    """The nest as replica ``replica_id`` sees it: undoes :func:`regroup`. Local.
+
+    Every :class:`DistributedValues` leaf is replaced by its component
+    ``.get(replica_id)`` (``None``: the local component); other leaves are
+    returned unchanged.
+    """
+
+    def pick(x: Any) -> Any:
+        return x.get(replica_id) if isinstance(x, DistributedValues) else x
+
+    return map_structure(pick, nest)
+
+
+def select_replica_mirrored(replica_id: Optional[int], nest: Any) -> Any:
+    """Like :func:`select_replica`, but only :class:`Mirrored` values are allowed. Local.
+
+    Raises:
+        TypeError: the nest holds a :class:`DistributedValues` that is not a
+            ``Mirrored`` (a ``PerReplica``, say); the message names the value
+            and its path in the nest.
+    """
+
+    def pick(path: str, x: Any) -> Any:
+        if not isinstance(x, DistributedValues):
+            return x
+        if not isinstance(x, Mirrored):
+            raise TypeError(
+                f"select_replica_mirrored: expected values mirrored across replicas, but "
+                f"found a {type(x).__name__} at {path or 'top level'}: {x!r}"
+            )
+        return x.get(replica_id)
+
+    return map_structure_with_path(pick, nest)
