@@ -1,11 +1,52 @@
-"""mpidist: distributed values and variables for NumPy/CuPy SPMD programs on MPI."""
+"""mpidist: distributed values and variables for NumPy/CuPy SPMD programs on MPI.
+
+One MPI rank is one *replica*. Each rank holds its component of every
+distributed value (a NumPy array, or a CuPy array on the rank's GPU);
+aggregation is an MPI allreduce on those arrays; cross-replica code is a set
+of collective calls that every rank makes in the same order.
+"""
+from mpidist._comm import Communicator, Handle
+from mpidist._context import ReplicaContext, get_replica_context, get_strategy, in_cross_replica_context
 from mpidist._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, MpidistError
+from mpidist._ops import ReduceOp
+from mpidist._options import Options
+from mpidist._strategy import MPIStrategy
+from mpidist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica, select_replica_mirrored
+from mpidist._variables import (
+    DistributedVariable,
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+)
 from mpidist._version import __version__
 
 __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommError",
+    "Communicator",
+    "DistributedValues",
+    "DistributedVariable",
+    "Handle",
+    "MPIStrategy",
+    "Mirrored",
+    "MirroredVariable",
     "MpidistError",
+    "Options",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
     "__version__",
+    "get_replica_context",
+    "get_strategy",
+    "in_cross_replica_context",
+    "regroup",
+    "select_replica",
+    "select_replica_mirrored",
 ]

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Backend", "array_module", "cupy_or_none", "is_device_array", "to_host"]
+__all__ = ["Backend", "array_module", "contiguous", "cupy_or_none", "is_device_array", "to_host"]
 
 
 def cupy_or_none() -> Optional[ModuleType]:
@@ -152,6 +152,11 @@ class Backend:
         if buffer is not array:
             array.set(buffer)
             self.synchronize()
+
+
+def contiguous(array: Any) -> Any:
+    """``array`` itself when C-contiguous, else a C-contiguous copy (0-d arrays stay 0-d)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def array_module(array: Any) -> ModuleType:

@@ -140,8 +140,9 @@ class Communicator:
         comm: the mpi4py communicator to duplicate (default ``MPI.COMM_WORLD``).
         options: timeouts, checks and sizes (:class:`~mpidist._options.Options`);
             default: from ``MPIDIST_*`` environment variables.
-        backend: where arrays live (:class:`~mpidist._backend.Backend`); default
-            NumPy on the host.
+        backend: where arrays live (:class:`~mpidist._backend.Backend`); default:
+            chosen by ``options.device``, binding this rank's GPU by its
+            node-local rank.
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, options: Optional[Options] = None,
@@ -150,7 +151,6 @@ class Communicator:
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(base).__name__}")
         self.options = options if options is not None else Options.resolve()
-        self.backend = backend if backend is not None else Backend(np)
         self._seq = 0
         self._broken: Optional[str] = None
         try:
@@ -163,6 +163,7 @@ class Communicator:
         self.size: int = self._comm.size
         self.local_rank: int = self._node.rank
         self.local_size: int = self._node.size
+        self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
         self.cuda_aware = self._resolve_cuda_aware() if self.backend.is_gpu else False
 
     # -- life cycle ----------------------------------------------------------------

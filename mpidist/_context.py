@@ -1,0 +1,127 @@
+"""Replica and cross-replica contexts.
+
+*Cross-replica context* is code inside ``with strategy.scope():`` but outside
+``strategy.run``, and the body of ``merge_call``: there, operations that need
+other ranks' data are collective calls that every rank makes in the same
+order. *Replica context* is code inside ``strategy.run(fn)``: ``fn`` sees
+this rank's components as plain arrays.
+
+The context stack is per thread. Nothing here communicates by itself;
+:meth:`ReplicaContext.merge_call` and :meth:`ReplicaContext.all_reduce` are
+collective because what they run is.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+
+from mpidist._ops import ReduceOp
+
+if TYPE_CHECKING:  # imported for type hints only: the strategy layer sits above this one
+    from mpidist._strategy import MPIStrategy
+
+__all__ = ["ReplicaContext", "get_replica_context", "get_strategy", "in_cross_replica_context"]
+
+
+class _Frame:
+    __slots__ = ("strategy", "replica")
+
+    def __init__(self, strategy: "MPIStrategy", replica: Optional["ReplicaContext"]) -> None:
+        self.strategy = strategy
+        self.replica = replica
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []
+
+
+_stack = _Stack()
+
+
+def _top() -> Optional[_Frame]:
+    return _stack.frames[-1] if _stack.frames else None
+
+
+@contextlib.contextmanager
+def _enter(strategy: "MPIStrategy", replica: Optional["ReplicaContext"] = None) -> Iterator[None]:
+    """Push a cross-replica (``replica=None``) or replica frame for ``strategy``. Local."""
+    top = _top()
+    if top is not None and top.strategy is not strategy:
+        raise RuntimeError(
+            f"cannot enter {strategy!r} inside the scope of another strategy, {top.strategy!r}; "
+            "leave the other strategy's scope first (mpidist uses one strategy at a time per thread)"
+        )
+    _stack.frames.append(_Frame(strategy, replica))
+    try:
+        yield
+    finally:
+        _stack.frames.pop()
+
+
+def get_strategy() -> Optional["MPIStrategy"]:
+    """The strategy whose ``scope()`` (or ``run``) is active in this thread, else ``None``. Local."""
+    top = _top()
+    return top.strategy if top else None
+
+
+def get_replica_context() -> Optional["ReplicaContext"]:
+    """The current :class:`ReplicaContext` inside ``strategy.run``; ``None`` elsewhere. Local."""
+    top = _top()
+    return top.replica if top else None
+
+
+def in_cross_replica_context() -> bool:
+    """True inside ``strategy.scope()`` outside ``run``, and inside ``merge_call``. Local."""
+    top = _top()
+    return top is not None and top.replica is None
+
+
+def require_strategy(what: str) -> "MPIStrategy":
+    """The active strategy, or a ``RuntimeError`` saying where ``what`` must be called."""
+    strategy = get_strategy()
+    if strategy is None:
+        raise RuntimeError(f"{what} needs a strategy: call it inside `with strategy.scope():` "
+                           "(or inside strategy.run)")
+    return strategy
+
+
+class ReplicaContext:
+    """What ``fn`` sees inside ``strategy.run(fn)``: this rank as one replica.
+
+    Attributes:
+        strategy: the strategy running ``fn``.
+        replica_id_in_sync_group: this replica's id (the rank in the strategy's communicator).
+        num_replicas_in_sync: the number of replicas (the communicator's size).
+    """
+
+    def __init__(self, strategy: "MPIStrategy", replica_id: int) -> None:
+        self.strategy = strategy
+        self.replica_id_in_sync_group = replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return f"<ReplicaContext replica {self.replica_id_in_sync_group} of {self.num_replicas_in_sync}>"
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """Collective: run ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context.
+
+        Every rank must call it (``merge_fn`` usually runs collectives). Array
+        arguments arrive in ``merge_fn`` wrapped as ``PerReplica`` values,
+        so cross-replica code can ``strategy.reduce`` them. The result comes
+        back to the replica with distributed values (other than variables)
+        replaced by this replica's component.
+        """
+        return self.strategy._merge_call(self, merge_fn, tuple(args), dict(kwargs or {}))
+
+    def all_reduce(self, reduce_op: Union[ReduceOp, str], value: Any) -> Any:
+        """Collective: reduce a nest of arrays across replicas; every replica gets the result.
+
+        All arrays of the nest are reduced together; the result has the
+        nest's structure with plain arrays, identical on every rank.
+        """
+        return self.strategy._all_reduce_nest(reduce_op, value)

@@ -1,0 +1,228 @@
+"""MPIStrategy: the user's entry point, one replica per MPI rank.
+
+Ties the layers together: a :class:`~mpidist._comm.Communicator` for the
+collectives, a :class:`~mpidist._backend.Backend` for the arrays, the context
+stack for replica / cross-replica code, and the variables' policies.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist._backend import Backend, array_module, contiguous
+from mpidist._comm import Communicator
+from mpidist._context import ReplicaContext, _enter, get_replica_context
+from mpidist._nest import map_structure
+from mpidist._ops import ReduceOp
+from mpidist._options import Options
+from mpidist._values import DistributedValues, PerReplica, regroup, select_replica_mirrored
+from mpidist._variables import DistributedVariable, VariableAggregation
+
+__all__ = ["MPIStrategy"]
+
+
+def _is_array(x: Any) -> bool:
+    """NumPy/CuPy arrays (not distributed values): what ``merge_call`` wraps as ``PerReplica``."""
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, DistributedValues)
+
+
+def _is_numeric_leaf(x: Any) -> bool:
+    """Arrays and numbers: what ``run`` wraps as ``PerReplica``."""
+    return _is_array(x) or (isinstance(x, (int, float, complex, np.generic)) and not isinstance(x, bool))
+
+
+class MPIStrategy:
+    """Data-parallel SPMD strategy: each rank of ``comm`` is one replica.
+
+    Construction is collective over ``comm``. Works in a plain ``python
+    script.py`` (one replica) and under ``mpiexec -n N`` or ``srun``.
+
+    Args:
+        comm: the mpi4py communicator whose ranks are the replicas; default: a
+            duplicate of ``MPI.COMM_WORLD``. mpidist's own traffic runs on a
+            further private duplicate, so it never mixes with yours.
+        **options: see :class:`~mpidist._options.Options`: ``timeout``
+            (seconds before a collective that some ranks never join raises
+            :class:`~mpidist.CollectiveTimeoutError`), ``check_collectives``,
+            ``device`` (``"auto"``, ``"cpu"``, ``"gpu"``), ``cuda_aware``,
+            ``pipeline_bytes``. Each defaults to its ``MPIDIST_*`` environment
+            variable. Unknown options raise ``ValueError``.
+    """
+
+    def __init__(self, comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
+        self.options = Options.resolve(**options)
+        self._own_comm = comm is None
+        self.comm: MPI.Intracomm = MPI.COMM_WORLD.Dup() if comm is None else comm
+        self._communicator = Communicator(self.comm, self.options)
+
+    # -- identity (local) ----------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas: the communicator's size."""
+        return self._communicator.size
+
+    @property
+    def rank(self) -> int:
+        """This rank's replica id."""
+        return self._communicator.rank
+
+    @property
+    def backend(self) -> Backend:
+        """Where this rank's components live (NumPy, or CuPy on its GPU)."""
+        return self._communicator.backend
+
+    @property
+    def communicator(self) -> Communicator:
+        """The array communicator running mpidist's collectives."""
+        return self._communicator
+
+    def __repr__(self) -> str:
+        return f"<MPIStrategy rank {self.rank} of {self.num_replicas_in_sync}, {self.backend!r}>"
+
+    def free(self) -> None:
+        """Collective: release the communicators this strategy created."""
+        self._communicator.free()
+        if self._own_comm:
+            self.comm.Free()
+
+    # -- contexts ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["MPIStrategy"]:
+        """Context manager: cross-replica context of this strategy (variables are created here). Local."""
+        with _enter(self):
+            yield self
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """Call ``fn`` in replica context on this rank.
+
+        ``PerReplica`` arguments (also inside lists, tuples and dicts) are
+        replaced by this rank's component; everything else is passed as it
+        is. The return value keeps its structure, with arrays and numbers
+        wrapped as ``PerReplica``; a variable (or its component) comes back
+        as the variable, any other object as it is. Collective only if ``fn``
+        makes collective calls (``merge_call``, updates of mirrored variables).
+        """
+        if get_replica_context() is not None:
+            raise RuntimeError("strategy.run was called inside strategy.run; call fn directly instead")
+        unwrap = lambda x: x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
+        args = map_structure(unwrap, tuple(args))
+        kwargs = map_structure(unwrap, dict(kwargs or {}))
+        with _enter(self, ReplicaContext(self, self.rank)):
+            result = fn(*args, **kwargs)
+        return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
+
+    def _merge_call(self, replica: ReplicaContext, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        wrapped = regroup({self.rank: (args, kwargs)}, PerReplica, wrap_identical=_is_array)
+        with _enter(self):
+            result = merge_fn(self, *wrapped[0], **wrapped[1])
+        keep_variables = lambda x: x if isinstance(x, DistributedVariable) else (
+            x.get(self.rank) if isinstance(x, DistributedValues) else x)
+        return map_structure(keep_variables, result)
+
+    # -- cross-replica collectives -----------------------------------------------------------
+    def reduce(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
+        """Collective: reduce ``value`` across replicas; the result is identical on every rank.
+
+        ``value`` is a ``PerReplica``, a ``Mirrored`` (or variable), a plain
+        array or number, or a list/tuple/dict of those (reduced together).
+        Returns plain arrays of the components' module. With ``axis``, each
+        component is first reduced along that axis; ``MEAN`` is then the mean
+        over all elements of the global batch, also when replicas hold
+        different numbers of elements.
+        """
+        return self._all_reduce_nest(reduce_op, value, axis)
+
+    def _all_reduce_nest(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
+        op = ReduceOp.of(reduce_op)
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            return map_structure(lambda x: self._communicator.allreduce(self._local(x), op), value)
+        return map_structure(lambda x: self._sum_or_mean(op, self._local(x), axis), value)
+
+    def _sum_or_mean(self, op: ReduceOp, local: Any, axis: Optional[int]) -> Any:
+        xp = array_module(local)
+        if op is ReduceOp.MEAN and local.dtype.kind in "iub":
+            local = local.astype(np.float64)
+        if axis is None:
+            return self._communicator.allreduce(contiguous(local), op)
+        total = self._communicator.allreduce(contiguous(local.sum(axis=axis)), ReduceOp.SUM)
+        if op is ReduceOp.MEAN:
+            count = self._communicator.allreduce(np.array(local.shape[axis], dtype=np.int64), ReduceOp.SUM, name="count")
+            total /= int(count)
+        return total
+
+    def _local(self, value: Any) -> Any:
+        """This rank's component of ``value`` as an array of the backend's module."""
+        if isinstance(value, DistributedValues):
+            value = value.get(self.rank)
+        if hasattr(value, "dtype") and hasattr(value, "shape"):
+            return value
+        return self.backend.asarray(value)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Collective: concatenate all replicas' components along ``axis``, in replica order.
+
+        Components may differ in length along ``axis``; the other dimensions
+        must agree. Every rank gets the whole result.
+        """
+        local = self._local(value)
+        xp = array_module(local)
+        if local.ndim == 0:
+            return self._communicator.allgather(local, name="gather")
+        moved = contiguous(xp.moveaxis(local, axis, 0))
+        return xp.moveaxis(self._communicator.allgather(moved, name="gather"), 0, axis)
+
+    def broadcast(self, value: Any, root: int = 0) -> Any:
+        """Collective: root's ``value`` (an array or number, the same shape on every rank) on every rank."""
+        array = self.backend.asarray(self._local(value)).copy()
+        return self._communicator.broadcast(array, root=root, name="broadcast")
+
+    def barrier(self) -> None:
+        """Collective: wait until every rank has arrived (honours the timeout)."""
+        self._communicator.barrier()
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """This rank's components of ``value`` as a tuple (a plain value gives ``(value,)``). Local."""
+        return value.values if isinstance(value, DistributedValues) else (value,)
+
+    def update(self, var: DistributedVariable, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Cross-replica: call ``fn(component, *args, **kwargs)`` on every rank; ``fn`` updates in place.
+
+        ``Mirrored`` arguments are replaced by their local component (a
+        ``PerReplica`` argument raises ``TypeError``: reduce it first).
+        Returns what ``fn`` returns. Local, but every rank must make the same
+        updates to keep a mirrored variable's components identical.
+        """
+        self._check_variable(var, "update")
+        args, kwargs = select_replica_mirrored(self.rank, (args, kwargs))
+        return fn(var._component, *args, **kwargs)
+
+    def read_var(self, var: DistributedVariable) -> Any:
+        """The variable's cross-replica value (collective for sync-on-read variables)."""
+        self._check_variable(var, "read_var")
+        with self.scope():
+            return var.read_value()
+
+    def _check_variable(self, var: Any, what: str) -> None:
+        if not isinstance(var, DistributedVariable):
+            raise TypeError(f"strategy.{what} expects a variable created with mpidist.Variable, got {type(var).__name__}")
+        if var.strategy is not self:
+            raise ValueError(f"strategy.{what}: variable {var.name!r} belongs to another strategy, {var.strategy!r}")
+        if get_replica_context() is not None:
+            raise RuntimeError(f"strategy.{what} is a cross-replica call; inside strategy.run use "
+                               "get_replica_context().merge_call")
+
+    # -- helpers for the variables layer ------------------------------------------------------
+    def _aggregate(self, aggregation: VariableAggregation, value: Any, name: str) -> Any:
+        """Collective: ``value`` combined across replicas by ``aggregation`` (a new array)."""
+        local = self._local(value)
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._communicator.broadcast(local.copy(), root=0, name=name)
+        op = ReduceOp.MEAN if aggregation is VariableAggregation.MEAN else ReduceOp.SUM
+        return self._communicator.allreduce(local, op, name=name)
+
+    def _broadcast_array(self, array: Any, name: str) -> None:
+        """Collective: overwrite ``array`` with rank 0's, in place."""
+        self._communicator.broadcast(array, root=0, name=name)

@@ -1,0 +1,308 @@
+"""Distributed variables: mirrored (synchronized on write) and sync-on-read.
+
+Each rank holds one component of a variable, an array of the strategy's array
+module (NumPy, or CuPy on a GPU), updated in place so that views of it stay
+valid. How updates and reads behave is decided by one policy object per
+synchronization mode:
+
+- :class:`_OnWritePolicy` (``MirroredVariable``): in replica context an
+  update's argument is first reduced across replicas by the variable's
+  aggregation, then the same update runs on every rank, so the components
+  stay identical. In cross-replica context the argument is applied as given.
+- :class:`_OnReadPolicy` (``SyncOnReadVariable``): replicas update their own
+  component freely; a read in cross-replica context reduces all components.
+
+Which operations are collective is said in each docstring.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
+
+from mpidist._backend import contiguous, to_host
+from mpidist._context import get_replica_context, in_cross_replica_context, require_strategy
+from mpidist._values import DistributedValues, Mirrored, PerReplica, register_component
+
+if TYPE_CHECKING:
+    from mpidist._strategy import MPIStrategy
+
+__all__ = [
+    "MirroredVariable",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+]
+
+
+class VariableAggregation(enum.Enum):
+    """How replica-context updates (mirrored) or cross-replica reads (sync-on-read) combine replicas."""
+
+    NONE = "none"
+    SUM = "sum"
+    MEAN = "mean"
+    ONLY_FIRST_REPLICA = "only_first_replica"
+
+
+class VariableSynchronization(enum.Enum):
+    """When a variable's components are brought in line: ``AUTO``/``ON_WRITE`` mirrored, ``ON_READ`` sync-on-read."""
+
+    AUTO = "auto"
+    ON_WRITE = "on_write"
+    ON_READ = "on_read"
+
+
+_UPDATES: dict[str, Callable[[Any, Any], None]] = {
+    "assign": lambda c, v: c.__setitem__(Ellipsis, v),
+    "assign_add": lambda c, v: c.__iadd__(v),
+    "assign_sub": lambda c, v: c.__isub__(v),
+}
+
+
+def _is_integer(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).kind in "iub"
+
+
+def _split_exactly(total: Any, parts: int, index: int, xp: Any) -> Any:
+    """Share ``index`` of ``total`` split into ``parts`` integer shares that add up to ``total`` exactly."""
+    quotient, remainder = xp.divmod(total, parts)
+    return quotient + (remainder > index).astype(quotient.dtype)
+
+
+class _Policy:
+    """What updates and reads of a variable do; one instance per synchronization mode."""
+
+    synchronization: VariableSynchronization
+
+    def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
+        raise NotImplementedError
+
+    def read(self, var: "DistributedVariable") -> Any:
+        raise NotImplementedError
+
+
+class _OnWritePolicy(_Policy):
+    synchronization = VariableSynchronization.ON_WRITE
+
+    def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
+        if in_cross_replica_context():
+            _UPDATES[kind](var._component, var._coerce(value))
+            return var
+        replica = get_replica_context()
+        if replica is None:
+            raise RuntimeError(f"{kind} of MirroredVariable {var.name!r} must run inside `with strategy.scope():` "
+                               "(cross-replica) or inside strategy.run (replica context)")
+        if var.aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"rank {var._strategy.rank}: {kind} of MirroredVariable {var.name!r} in replica context needs an "
+                "aggregation to combine the replicas' values: create it with "
+                "Variable(..., aggregation=VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA), or update it "
+                "in cross-replica context with strategy.update"
+            )
+        return replica.merge_call(self._merge_update, args=(var, kind, var._coerce(value)))
+
+    @staticmethod
+    def _merge_update(strategy: "MPIStrategy", var: "DistributedVariable", kind: str, value: Any) -> Any:
+        strategy.update(var, _UPDATES[kind], strategy._aggregate(var.aggregation, value, name=var.name))
+        return var
+
+    def read(self, var: "DistributedVariable") -> Any:
+        return var._component
+
+
+class _OnReadPolicy(_Policy):
+    synchronization = VariableSynchronization.ON_READ
+
+    def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
+        if get_replica_context() is not None:
+            _UPDATES[kind](var._component, var._coerce(value))
+            return var
+        if not in_cross_replica_context():
+            raise RuntimeError(f"{kind} of SyncOnReadVariable {var.name!r} must run inside strategy.run "
+                               "or `with strategy.scope():`")
+        if kind != "assign":
+            raise RuntimeError(
+                f"{kind} of SyncOnReadVariable {var.name!r} is only allowed in replica context (inside "
+                "strategy.run), where each replica updates its own component; in cross-replica context "
+                "use assign(total), which splits the value over the replicas"
+            )
+        value = var._coerce(value)
+        n, rank, xp = var._strategy.num_replicas_in_sync, var._strategy.rank, var._strategy.backend.xp
+        if var.aggregation is VariableAggregation.SUM:
+            value = _split_exactly(value, n, rank, xp) if _is_integer(var.dtype) else value / n
+        var._component[...] = value
+        return var
+
+    def read(self, var: "DistributedVariable") -> Any:
+        if get_replica_context() is not None or not in_cross_replica_context():
+            return var._component
+        return var._strategy._aggregate(var.aggregation, var._component, name=var.name)
+
+
+_POLICIES = {
+    VariableSynchronization.ON_WRITE: _OnWritePolicy(),
+    VariableSynchronization.ON_READ: _OnReadPolicy(),
+}
+
+
+class DistributedVariable(DistributedValues):
+    """A variable with one component per replica; this rank holds ``{rank: component}``.
+
+    Not created directly: use :func:`Variable` inside ``strategy.scope()``.
+    """
+
+    def __init__(self, strategy: "MPIStrategy", component: Any, name: str,
+                 aggregation: VariableAggregation, policy: _Policy) -> None:
+        super().__init__({strategy.rank: component})
+        self._strategy = strategy
+        self._component = component
+        self._name = name
+        self._aggregation = aggregation
+        self._policy = policy
+        register_component(self, strategy.rank, component)
+
+    # -- properties (local) -----------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._component.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._component.shape)
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._policy.synchronization
+
+    @property
+    def strategy(self) -> "MPIStrategy":
+        return self._strategy
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} "
+                f"aggregation={self._aggregation.name} rank={self._strategy.rank}: {self._component!r}>")
+
+    __str__ = __repr__
+
+    # -- reads and updates -------------------------------------------------------------
+    def read_value(self) -> Any:
+        """The variable's value: see the class docstring for which contexts are collective."""
+        return self._policy.read(self)
+
+    def numpy(self) -> np.ndarray:
+        """A host NumPy copy of :meth:`read_value` (collective where ``read_value`` is)."""
+        return np.array(to_host(self.read_value()))
+
+    def assign(self, value: Any) -> "DistributedVariable":
+        """Set the value (collective for a mirrored variable in replica context)."""
+        return self._policy.update(self, "assign", value)
+
+    def assign_add(self, value: Any) -> "DistributedVariable":
+        """Add to the value (collective for a mirrored variable in replica context)."""
+        return self._policy.update(self, "assign_add", value)
+
+    def assign_sub(self, value: Any) -> "DistributedVariable":
+        """Subtract from the value (collective for a mirrored variable in replica context)."""
+        return self._policy.update(self, "assign_sub", value)
+
+    def _coerce(self, value: Any) -> Any:
+        """``value`` as an array of the component's module and dtype, shape-checked. Local."""
+        if isinstance(value, DistributedValues):
+            value = value.get()
+        array = self._strategy.backend.asarray(value)
+        try:
+            fits = np.broadcast_shapes(tuple(array.shape), self.shape) == self.shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"rank {self._strategy.rank}: cannot update variable {self._name!r} of shape "
+                             f"{self.shape} with a value of shape {tuple(array.shape)}")
+        if _is_integer(self.dtype) and not _is_integer(array.dtype):
+            raise TypeError(f"rank {self._strategy.rank}: variable {self._name!r} has integer dtype {self.dtype}; "
+                            f"updating it with {array.dtype} values would truncate them: cast explicitly")
+        array = array.astype(self.dtype, copy=False)
+        if tuple(array.shape) != self.shape:
+            array = self._strategy.backend.xp.broadcast_to(array, self.shape)
+        return contiguous(array)
+
+
+class MirroredVariable(DistributedVariable, Mirrored):
+    """A variable kept identical on every replica.
+
+    - Replica context: ``assign``, ``assign_add``, ``assign_sub`` are
+      collective: every rank's argument is reduced by the variable's
+      aggregation (``SUM``, ``MEAN``, ``ONLY_FIRST_REPLICA``: replica 0's),
+      then the same update runs on every rank. Aggregation ``NONE`` raises
+      ``ValueError``.
+    - Cross-replica context: updates apply the argument as given on every rank
+      (pass the same value everywhere). Local.
+    - ``read_value()`` is the local component. Local.
+
+    Python operators, attribute access and ``numpy.asarray`` act on the local
+    component, as for :class:`~mpidist.Mirrored`.
+    """
+
+
+class SyncOnReadVariable(DistributedVariable, PerReplica):
+    """A variable each replica updates on its own; reads in cross-replica context reduce.
+
+    - Replica context: ``assign``, ``assign_add``, ``assign_sub`` and
+      ``read_value()`` touch only the local component. Local.
+    - Cross-replica context: ``read_value()``/``numpy()`` are collective and
+      return the ``SUM`` or ``MEAN`` of all components (``ONLY_FIRST_REPLICA``:
+      replica 0's; ``NONE`` reads as ``SUM``). ``assign(x)`` is local and sets
+      every component to ``x / N`` for ``SUM`` (integers: integer shares that
+      add up to ``x`` exactly) and to ``x`` otherwise; ``assign_add`` and
+      ``assign_sub`` raise ``RuntimeError``.
+    """
+
+
+_names = itertools.count()
+
+
+def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
+             synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+             aggregation: VariableAggregation = VariableAggregation.NONE) -> DistributedVariable:
+    """Create a distributed variable of the strategy whose ``scope()`` is active.
+
+    Collective: every rank creates its variables in the same order. The
+    initial value (an array, a number, or a callable returning one) is rank
+    0's, broadcast, so replicas start identical even from random values.
+
+    Returns:
+        a :class:`MirroredVariable` (``AUTO``, ``ON_WRITE``) or a
+        :class:`SyncOnReadVariable` (``ON_READ``).
+
+    Raises:
+        RuntimeError: outside ``strategy.scope()``.
+        ValueError: ``MEAN`` aggregation on an integer variable; shapes or
+            dtypes that differ between ranks (``CollectiveMismatchError``).
+    """
+    strategy = require_strategy("Variable(...)")
+    synchronization = VariableSynchronization(synchronization)
+    aggregation = VariableAggregation(aggregation)
+    if callable(initial_value):
+        initial_value = initial_value()
+    if not strategy.backend.is_gpu:
+        initial_value = to_host(initial_value)
+    component = strategy.backend.xp.array(initial_value, dtype=dtype, order="C", copy=True)
+    if name is None:
+        name = f"Variable_{next(_names)}"
+    if aggregation is VariableAggregation.MEAN and _is_integer(component.dtype):
+        raise ValueError(f"rank {strategy.rank}: variable {name!r} has integer dtype {component.dtype}: MEAN "
+                         "aggregation would truncate; use a floating dtype or SUM aggregation")
+    strategy._broadcast_array(component, name=name)
+    if synchronization is VariableSynchronization.ON_READ:
+        return SyncOnReadVariable(strategy, component, name, aggregation, _POLICIES[synchronization])
+    return MirroredVariable(strategy, component, name, aggregation, _POLICIES[VariableSynchronization.ON_WRITE])

@@ -1,0 +1,209 @@
+"""MPIStrategy and contexts (api-contract C1, C2) under mpiexec at 1, 2 and 3 ranks.
+
+Expected values are derived from rank and size; every rank makes the same
+collective calls in the same order.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist as md
+from mpidist import MPIStrategy, Mirrored, PerReplica, ReduceOp
+
+pytestmark = pytest.mark.mpi
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    s = MPIStrategy()
+    yield s
+    s.free()
+
+
+def test_default_comm_is_a_duplicate_of_world(strategy):
+    assert strategy.comm != MPI.COMM_WORLD
+    assert MPI.Comm.Compare(strategy.comm, MPI.COMM_WORLD) == MPI.CONGRUENT
+    assert strategy.num_replicas_in_sync == MPI.COMM_WORLD.size
+    assert strategy.rank == MPI.COMM_WORLD.rank
+
+
+def test_given_comm_is_used_as_is():
+    sub = MPI.COMM_WORLD.Split(color=MPI.COMM_WORLD.rank % 2, key=MPI.COMM_WORLD.rank)
+    s = MPIStrategy(comm=sub)
+    assert s.comm is sub and s.num_replicas_in_sync == sub.size and s.rank == sub.rank
+    total = s.reduce("sum", PerReplica({s.rank: np.array(1.0)}))
+    assert total == sub.size
+    s.free()
+    sub.Free()
+
+
+def test_unknown_option_is_rejected():
+    with pytest.raises(ValueError, match="unknown mpidist option.*timout"):
+        MPIStrategy(timout=3)
+
+
+def test_scope_and_contexts(strategy):
+    assert md.get_strategy() is None and md.get_replica_context() is None
+    assert not md.in_cross_replica_context()
+    with strategy.scope() as s:
+        assert s is strategy and md.get_strategy() is strategy
+        assert md.in_cross_replica_context() and md.get_replica_context() is None
+
+        def fn():
+            ctx = md.get_replica_context()
+            assert not md.in_cross_replica_context() and md.get_strategy() is strategy
+            return ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync, ctx.strategy
+
+        rid, n, st = strategy.run(fn)
+        assert rid.get() == strategy.rank and n.get() == strategy.num_replicas_in_sync and st is strategy
+    assert md.get_strategy() is None
+
+
+def test_two_strategies_do_not_mix(strategy):
+    other = MPIStrategy()
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match="another strategy"):
+            with other.scope():
+                pass
+        with pytest.raises(RuntimeError, match="another strategy"):
+            other.run(lambda: None)
+    other.free()
+
+
+def test_run_unwraps_per_replica_and_passes_the_rest(strategy):
+    r = strategy.rank
+    mirrored = Mirrored({r: np.arange(3.0)})
+    plain = object()
+    nested = {"x": PerReplica({r: np.full(2, float(r))}), "list": [PerReplica({r: r * 10}), 5]}
+    seen = {}
+
+    def fn(nest, m, p, scale=1):
+        seen.update(nest=nest, m=m, p=p, scale=scale)
+        return nest["x"] * scale, p, Pair(a=nest["list"][0], b=np.ones(1))
+
+    with strategy.scope():
+        out = strategy.run(fn, args=(nested, mirrored, plain), kwargs={"scale": PerReplica({r: 3})})
+    np.testing.assert_array_equal(seen["nest"]["x"], np.full(2, float(r)))
+    assert seen["nest"]["list"] == [r * 10, 5]
+    assert seen["m"] is mirrored and seen["p"] is plain and seen["scale"] == 3
+    assert isinstance(out[0], PerReplica) and out[1] is plain and isinstance(out[2], Pair)
+    np.testing.assert_array_equal(out[0].get(), np.full(2, 3.0 * r))
+    assert isinstance(out[2].a, PerReplica) and out[2].a.get() == r * 10
+    assert out[0].replica_ids == (r,)
+
+
+def test_run_returns_variables_as_themselves(strategy):
+    with strategy.scope():
+        v = md.Variable(np.zeros(2), name="run_var")
+        out = strategy.run(lambda: (v, v._component, v.read_value()))
+    assert out[0] is v and out[1] is v and out[2] is v
+
+
+def test_run_inside_run_is_an_error(strategy):
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match="inside strategy.run"):
+            strategy.run(lambda: strategy.run(lambda: None))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "complex128"])
+def test_reduce_sum_and_mean(strategy, dtype):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    per_replica = PerReplica({r: (np.arange(4) + r).astype(dtype)})
+    for _ in range(2):
+        total = strategy.reduce(ReduceOp.SUM, per_replica)
+        np.testing.assert_array_equal(total, (np.arange(4) * n + sum(range(n))).astype(dtype))
+        assert total.dtype == np.dtype(dtype)
+        mean = strategy.reduce("mean", per_replica)
+        np.testing.assert_allclose(mean, np.arange(4) + (n - 1) / 2)
+        # a Mirrored value contributes its (identical) component from every replica
+        np.testing.assert_array_equal(strategy.reduce("sum", Mirrored({r: np.ones(3, dtype)})), np.full(3, n, dtype))
+        assert strategy.reduce("mean", 2.0) == 2.0 and strategy.reduce("sum", 2) == 2 * n
+
+
+def test_reduce_with_axis_is_exact_for_unequal_batches(strategy):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    rows = {q: np.arange(q + 1, dtype=np.float64) + 10 * q for q in range(n)}  # rank q holds q+1 rows
+    everything = np.concatenate([rows[q] for q in range(n)])
+    local = PerReplica({r: rows[r]})
+    for _ in range(2):
+        assert strategy.reduce("sum", local, axis=0) == everything.sum()
+        assert strategy.reduce("mean", local, axis=0) == pytest.approx(everything.mean(), rel=1e-15)
+    two_d = PerReplica({r: np.ones((r + 1, 3)) * (r + 1)})
+    np.testing.assert_allclose(strategy.reduce("mean", two_d, axis=0),
+                               np.full(3, sum((q + 1) ** 2 for q in range(n)) / sum(q + 1 for q in range(n))))
+
+
+def test_reduce_of_a_nest(strategy):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    out = strategy.reduce("sum", {"a": PerReplica({r: np.ones(2)}), "b": [PerReplica({r: np.array(r)})]})
+    np.testing.assert_array_equal(out["a"], np.full(2, n))
+    assert out["b"][0] == sum(range(n))
+
+
+def test_gather_unequal_lengths_and_axis(strategy):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    for _ in range(2):
+        out = strategy.gather(PerReplica({r: np.full((r + 1, 2), r)}))
+        np.testing.assert_array_equal(out, np.concatenate([np.full((q + 1, 2), q) for q in range(n)]))
+        out1 = strategy.gather(PerReplica({r: np.full((2, r + 1), r)}), axis=1)
+        np.testing.assert_array_equal(out1, np.concatenate([np.full((2, q + 1), q) for q in range(n)], axis=1))
+
+
+def test_experimental_local_results(strategy):
+    r = strategy.rank
+    assert strategy.experimental_local_results(PerReplica({r: 7})) == (7,)
+    assert strategy.experimental_local_results(5) == (5,)
+
+
+def test_broadcast_and_barrier(strategy):
+    for root in range(strategy.num_replicas_in_sync):
+        out = strategy.broadcast(np.full(3, strategy.rank), root=root)
+        np.testing.assert_array_equal(out, np.full(3, root))
+    strategy.barrier()
+
+
+def test_merge_call_wraps_arrays_and_returns_local_components(strategy):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+
+    def merge_fn(s, value, scale, label="x"):
+        assert s is strategy and md.in_cross_replica_context() and md.get_replica_context() is None
+        assert isinstance(value, PerReplica) and scale == 2 and label == "y"
+        return s.reduce("sum", value) * scale, PerReplica({r: r})
+
+    def fn():
+        return md.get_replica_context().merge_call(merge_fn, args=(np.full(2, r + 1.0), 2), kwargs={"label": "y"})
+
+    with strategy.scope():
+        total, mine = strategy.run(fn)
+    np.testing.assert_array_equal(total.get(), np.full(2, 2.0 * n * (n + 1) / 2))
+    assert mine.get() == r
+
+
+def test_replica_all_reduce_of_a_nest(strategy):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+
+    def fn():
+        ctx = md.get_replica_context()
+        return ctx.all_reduce("sum", {"g": np.full(3, r, np.float32), "h": [np.array(1)]}), ctx.all_reduce(
+            ReduceOp.MEAN, np.array(float(r)))
+
+    with strategy.scope():
+        nest, mean = strategy.run(fn)
+    np.testing.assert_array_equal(nest["g"].get(), np.full(3, sum(range(n)), np.float32))
+    assert nest["h"][0].get() == n and mean.get() == (n - 1) / 2
+
+
+def test_strategy_works_in_a_one_rank_world():
+    s = MPIStrategy(comm=MPI.COMM_SELF)
+    with s.scope():
+        v = md.Variable(np.ones(2), aggregation="mean")
+        s.run(lambda: v.assign_add(np.ones(2)))
+    np.testing.assert_array_equal(v.numpy(), [2.0, 2.0])
+    assert s.num_replicas_in_sync == 1
+    s.free()
