@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as md
+from arrays import DEVICES, assert_close, assert_equal, host
 from mpidist import MPIStrategy, Mirrored, PerReplica, ReduceOp
 
 pytestmark = pytest.mark.mpi
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.mpi
 Pair = collections.namedtuple("Pair", "a b")
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    s = MPIStrategy()
+@pytest.fixture(scope="module", params=DEVICES)
+def strategy(request):
+    s = MPIStrategy(device=request.param)
     yield s
     s.free()
 
@@ -89,11 +90,11 @@ def test_run_unwraps_per_replica_and_passes_the_rest(strategy):
 
     with strategy.scope():
         out = strategy.run(fn, args=(nested, mirrored, plain), kwargs={"scale": PerReplica({r: 3})})
-    np.testing.assert_array_equal(seen["nest"]["x"], np.full(2, float(r)))
+    assert_equal(seen["nest"]["x"], np.full(2, float(r)))
     assert seen["nest"]["list"] == [r * 10, 5]
     assert seen["m"] is mirrored and seen["p"] is plain and seen["scale"] == 3
     assert isinstance(out[0], PerReplica) and out[1] is plain and isinstance(out[2], Pair)
-    np.testing.assert_array_equal(out[0].get(), np.full(2, 3.0 * r))
+    assert_equal(out[0].get(), np.full(2, 3.0 * r))
     assert isinstance(out[2].a, PerReplica) and out[2].a.get() == r * 10
     assert out[0].replica_ids == (r,)
 
@@ -117,12 +118,12 @@ def test_reduce_sum_and_mean(strategy, dtype):
     per_replica = PerReplica({r: (np.arange(4) + r).astype(dtype)})
     for _ in range(2):
         total = strategy.reduce(ReduceOp.SUM, per_replica)
-        np.testing.assert_array_equal(total, (np.arange(4) * n + sum(range(n))).astype(dtype))
+        assert_equal(total, (np.arange(4) * n + sum(range(n))).astype(dtype))
         assert total.dtype == np.dtype(dtype)
         mean = strategy.reduce("mean", per_replica)
-        np.testing.assert_allclose(mean, np.arange(4) + (n - 1) / 2)
+        assert_close(mean, np.arange(4) + (n - 1) / 2)
         # a Mirrored value contributes its (identical) component from every replica
-        np.testing.assert_array_equal(strategy.reduce("sum", Mirrored({r: np.ones(3, dtype)})), np.full(3, n, dtype))
+        assert_equal(strategy.reduce("sum", Mirrored({r: np.ones(3, dtype)})), np.full(3, n, dtype))
         assert strategy.reduce("mean", 2.0) == 2.0 and strategy.reduce("sum", 2) == 2 * n
 
 
@@ -135,14 +136,14 @@ def test_reduce_with_axis_is_exact_for_unequal_batches(strategy):
         assert strategy.reduce("sum", local, axis=0) == everything.sum()
         assert strategy.reduce("mean", local, axis=0) == pytest.approx(everything.mean(), rel=1e-15)
     two_d = PerReplica({r: np.ones((r + 1, 3)) * (r + 1)})
-    np.testing.assert_allclose(strategy.reduce("mean", two_d, axis=0),
+    assert_close(strategy.reduce("mean", two_d, axis=0),
                                np.full(3, sum((q + 1) ** 2 for q in range(n)) / sum(q + 1 for q in range(n))))
 
 
 def test_reduce_of_a_nest(strategy):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     out = strategy.reduce("sum", {"a": PerReplica({r: np.ones(2)}), "b": [PerReplica({r: np.array(r)})]})
-    np.testing.assert_array_equal(out["a"], np.full(2, n))
+    assert_equal(out["a"], np.full(2, n))
     assert out["b"][0] == sum(range(n))
 
 
@@ -150,9 +151,9 @@ def test_gather_unequal_lengths_and_axis(strategy):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     for _ in range(2):
         out = strategy.gather(PerReplica({r: np.full((r + 1, 2), r)}))
-        np.testing.assert_array_equal(out, np.concatenate([np.full((q + 1, 2), q) for q in range(n)]))
+        assert_equal(out, np.concatenate([np.full((q + 1, 2), q) for q in range(n)]))
         out1 = strategy.gather(PerReplica({r: np.full((2, r + 1), r)}), axis=1)
-        np.testing.assert_array_equal(out1, np.concatenate([np.full((2, q + 1), q) for q in range(n)], axis=1))
+        assert_equal(out1, np.concatenate([np.full((2, q + 1), q) for q in range(n)], axis=1))
 
 
 def test_experimental_local_results(strategy):
@@ -164,7 +165,7 @@ def test_experimental_local_results(strategy):
 def test_broadcast_and_barrier(strategy):
     for root in range(strategy.num_replicas_in_sync):
         out = strategy.broadcast(np.full(3, strategy.rank), root=root)
-        np.testing.assert_array_equal(out, np.full(3, root))
+        assert_equal(out, np.full(3, root))
     strategy.barrier()
 
 
@@ -181,7 +182,7 @@ def test_merge_call_wraps_arrays_and_returns_local_components(strategy):
 
     with strategy.scope():
         total, mine = strategy.run(fn)
-    np.testing.assert_array_equal(total.get(), np.full(2, 2.0 * n * (n + 1) / 2))
+    assert_equal(total.get(), np.full(2, 2.0 * n * (n + 1) / 2))
     assert mine.get() == r
 
 
@@ -195,7 +196,7 @@ def test_replica_all_reduce_of_a_nest(strategy):
 
     with strategy.scope():
         nest, mean = strategy.run(fn)
-    np.testing.assert_array_equal(nest["g"].get(), np.full(3, sum(range(n)), np.float32))
+    assert_equal(nest["g"].get(), np.full(3, sum(range(n)), np.float32))
     assert nest["h"][0].get() == n and mean.get() == (n - 1) / 2
 
 
@@ -204,6 +205,6 @@ def test_strategy_works_in_a_one_rank_world():
     with s.scope():
         v = md.Variable(np.ones(2), aggregation="mean")
         s.run(lambda: v.assign_add(np.ones(2)))
-    np.testing.assert_array_equal(v.numpy(), [2.0, 2.0])
+    assert_equal(v.numpy(), [2.0, 2.0])
     assert s.num_replicas_in_sync == 1
     s.free()

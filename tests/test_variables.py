@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mpidist as md
+from arrays import DEVICES, assert_close, assert_equal, host
 from mpidist import (
     CollectiveMismatchError,
     MirroredVariable,
@@ -23,16 +24,16 @@ from mpidist import (
 pytestmark = pytest.mark.mpi
 
 
-@pytest.fixture(scope="module")
-def strategy():
-    s = MPIStrategy()
+@pytest.fixture(scope="module", params=DEVICES)
+def strategy(request):
+    s = MPIStrategy(device=request.param)
     yield s
     s.free()
 
 
 def assert_bitwise_identical(strategy, var):
     """Gather every rank's component bytes and compare them row by row (collective)."""
-    raw = np.frombuffer(np.ascontiguousarray(var._component).tobytes(), dtype=np.uint8)
+    raw = np.frombuffer(host(var._component).tobytes(), dtype=np.uint8)
     rows = strategy.gather(md.PerReplica({strategy.rank: raw[None, :]}))
     assert rows.shape[0] == strategy.num_replicas_in_sync
     for q in range(1, rows.shape[0]):
@@ -49,7 +50,7 @@ def test_creation_broadcasts_rank_zero_value(strategy):
             assert v.name == "w" and v.shape == (3, 4) and v.dtype == np.float64
             assert v.aggregation is Agg.NONE and v.synchronization is Sync.ON_WRITE
             assert_bitwise_identical(strategy, v)
-            np.testing.assert_array_equal(v.numpy(), rank0_rng.standard_normal((3, 4)))
+            assert_equal(v.numpy(), rank0_rng.standard_normal((3, 4)))
             assert type(v._component) is strategy.backend.xp.ndarray
 
 
@@ -75,7 +76,7 @@ def test_mirrored_replica_updates_aggregate(strategy, agg):
             result = strategy.run(lambda: getattr(v, kind)(contributions[r]))
             assert result is v
             expect = {"assign_add": expect + combined, "assign_sub": expect - combined, "assign": combined}[kind]
-            np.testing.assert_allclose(v.numpy(), expect, rtol=1e-14)
+            assert_close(v.numpy(), expect, rtol=1e-14)
             assert_bitwise_identical(strategy, v)
 
 
@@ -84,7 +85,7 @@ def test_mirrored_replica_update_without_aggregation_raises(strategy):
         v = Variable(np.zeros(2), name="no_agg")
         with pytest.raises(ValueError, match="'no_agg' in replica context needs an aggregation"):
             strategy.run(lambda: v.assign_add(np.ones(2)))
-    np.testing.assert_array_equal(v.numpy(), [0.0, 0.0])
+    assert_equal(v.numpy(), [0.0, 0.0])
 
 
 def test_mirrored_cross_replica_updates_apply_as_given(strategy):
@@ -92,12 +93,12 @@ def test_mirrored_cross_replica_updates_apply_as_given(strategy):
         v = Variable(np.ones(3), name="cross", aggregation=Agg.SUM)
         v.assign_add(np.full(3, 2.0))
         v.assign_sub(1.0)  # broadcasts against the shape
-        np.testing.assert_array_equal(v.read_value(), np.full(3, 2.0))
+        assert_equal(v.read_value(), np.full(3, 2.0))
         v.assign([7.0, 8.0, 9.0])
-        np.testing.assert_array_equal(v.numpy(), [7.0, 8.0, 9.0])
+        assert_equal(v.numpy(), [7.0, 8.0, 9.0])
         out = strategy.update(v, lambda c, d: c.__imul__(d), md.Mirrored({strategy.rank: np.array(2.0)}))
         assert out is v._component
-        np.testing.assert_array_equal(strategy.read_var(v), [14.0, 16.0, 18.0])
+        assert_equal(strategy.read_var(v), [14.0, 16.0, 18.0])
         with pytest.raises(TypeError, match="PerReplica"):
             strategy.update(v, lambda c, d: None, md.PerReplica({strategy.rank: 1.0}))
         assert_bitwise_identical(strategy, v)
@@ -106,9 +107,9 @@ def test_mirrored_cross_replica_updates_apply_as_given(strategy):
 def test_mirrored_variable_delegates_like_mirrored(strategy):
     with strategy.scope():
         v = Variable(np.array([1.0, 2.0, 3.0]), name="delegate")
-    np.testing.assert_array_equal(v + 1, [2.0, 3.0, 4.0])
-    np.testing.assert_array_equal(2 * v, [2.0, 4.0, 6.0])
-    np.testing.assert_array_equal(np.asarray(v), [1.0, 2.0, 3.0])
+    assert_equal(v + 1, [2.0, 3.0, 4.0])
+    assert_equal(2 * v, [2.0, 4.0, 6.0])
+    assert_equal(np.asarray(v), [1.0, 2.0, 3.0])
     assert v[1] == 2.0 and v.sum() == 6.0 and (v > 1.5).tolist() == [False, True, True]
 
 
@@ -124,16 +125,16 @@ def test_sync_on_read_local_updates_and_reduced_reads(strategy, agg):
             return v.read_value()
 
         local = strategy.run(step)
-        np.testing.assert_array_equal(local.get() if isinstance(local, md.PerReplica) else local._component,
+        assert_equal(local.get() if isinstance(local, md.PerReplica) else local._component,
                                       [r + 1.0, 0.5])
         components = [np.array([q + 1.0, 0.5]) for q in range(n)]
         want = {Agg.SUM: sum(components), Agg.NONE: sum(components), Agg.MEAN: sum(components) / n,
                 Agg.ONLY_FIRST_REPLICA: components[0]}[agg]
         for _ in range(2):
-            np.testing.assert_allclose(v.read_value(), want)
-            np.testing.assert_allclose(v.numpy(), want)
-            np.testing.assert_allclose(strategy.read_var(v), want)
-        np.testing.assert_array_equal(v._component, [r + 1.0, 0.5])  # reading changed nothing
+            assert_close(v.read_value(), want)
+            assert_close(v.numpy(), want)
+            assert_close(strategy.read_var(v), want)
+        assert_equal(v._component, [r + 1.0, 0.5])  # reading changed nothing
 
 
 @pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN])
@@ -142,8 +143,8 @@ def test_sync_on_read_cross_replica_assign(strategy, agg):
     with strategy.scope():
         v = Variable(np.zeros(3), name="sor_assign", synchronization=Sync.ON_READ, aggregation=agg)
         v.assign(np.array([3.0, 6.0, 9.0]))
-        np.testing.assert_allclose(v._component, np.array([3.0, 6.0, 9.0]) / (n if agg is Agg.SUM else 1))
-        np.testing.assert_allclose(v.read_value(), [3.0, 6.0, 9.0])
+        assert_close(v._component, np.array([3.0, 6.0, 9.0]) / (n if agg is Agg.SUM else 1))
+        assert_close(v.read_value(), [3.0, 6.0, 9.0])
         with pytest.raises(RuntimeError, match="only allowed in replica context"):
             v.assign_add(1.0)
         with pytest.raises(RuntimeError, match="only allowed in replica context"):
@@ -156,10 +157,10 @@ def test_integer_sum_counter_splits_exactly(strategy):
         c = Variable(np.zeros(3, dtype=np.int64), name="count", synchronization=Sync.ON_READ, aggregation=Agg.SUM)
         c.assign(np.array([10, 1, 0]))
         shares = [np.array([10 // n + (q < 10 % n), 1 // n + (q < 1 % n), 0]) for q in range(n)]
-        np.testing.assert_array_equal(c._component, shares[r])
-        np.testing.assert_array_equal(c.read_value(), [10, 1, 0])
+        assert_equal(c._component, shares[r])
+        assert_equal(c.read_value(), [10, 1, 0])
         strategy.run(lambda: c.assign_add(np.array([1, 1, 1])))
-        np.testing.assert_array_equal(c.read_value(), [10 + n, 1 + n, n])
+        assert_equal(c.read_value(), [10 + n, 1 + n, n])
         with pytest.raises(TypeError, match="would truncate"):
             strategy.run(lambda: c.assign_add(np.array([0.5, 0.5, 0.5])))
 
