@@ -11,7 +11,6 @@ import pytest
 from mpi4py import MPI
 
 from arrays import assert_equal
-from mpidist._backend import Backend
 from mpidist._comm import Communicator
 from mpidist._options import Options
 
@@ -69,7 +68,3 @@ def test_device_broadcast_allgather_reduce_scatter(comm):
         rows = 2 * n
         block = comm.reduce_scatter(cupy.ones((rows, 3)), "mean")
         assert_equal(block, np.ones((2, 3)))
-
-
-def test_backend_select_cpu_never_imports_a_gpu():
-    assert Backend.select("cpu").xp is np and not Backend.select("cpu").is_gpu
