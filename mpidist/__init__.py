@@ -7,7 +7,14 @@ of collective calls that every rank makes in the same order.
 """
 from mpidist._comm import Communicator, Handle
 from mpidist._context import ReplicaContext, get_replica_context, get_strategy, in_cross_replica_context
-from mpidist._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, MpidistError
+from mpidist._errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommError,
+    MirrorDivergenceError,
+    MpidistError,
+    NonFiniteError,
+)
 from mpidist._ops import ReduceOp
 from mpidist._options import Options
 from mpidist._strategy import MPIStrategy
@@ -32,8 +39,10 @@ __all__ = [
     "Handle",
     "MPIStrategy",
     "Mirrored",
+    "MirrorDivergenceError",
     "MirroredVariable",
     "MpidistError",
+    "NonFiniteError",
     "Options",
     "PerReplica",
     "ReduceOp",

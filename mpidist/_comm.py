@@ -18,19 +18,28 @@ from __future__ import annotations
 import ctypes
 import enum
 import os
+import sys
 import time
+import traceback
 import warnings
+from types import TracebackType
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
 from mpidist._backend import Backend, array_module, is_device_array
-from mpidist._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, format_ranks
+from mpidist._errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommError,
+    NonFiniteError,
+    format_ranks,
+)
 from mpidist._ops import ReduceOp
 from mpidist._options import Options
 
-__all__ = ["Communicator", "Handle"]
+__all__ = ["Communicator", "Handle", "install_abort_on_error"]
 
 # dtype chars MPI can move; their position is the dtype's code in agreement records.
 _DTYPES = "?bhilqBHILQefdFD"
@@ -63,9 +72,10 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MEAN: MPI.SUM, ReduceOp.MIN: MPI.MIN
 _BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND, ReduceOp.PROD: MPI.LAND}
 
 _MAXDIM = 8
-# record: seq, kind, op, dtype code, ndim, bad, root, then _MAXDIM dims (the last holds the
-# product of any further dims)
-_RECORD = 7 + _MAXDIM
+# Columns of an agreement record; the last _MAXDIM hold the shape (the last of them the
+# product of any further dims). NONFINITE is per-rank information, not compared.
+_SEQ, _KIND, _OP, _DTYPE, _NDIM, _BAD, _ROOT, _NONFINITE, _DIMS = range(9)
+_RECORD = _DIMS + _MAXDIM
 _TAG_AGREE = 7701
 
 
@@ -84,14 +94,42 @@ def _library_cuda_support() -> Optional[bool]:
     return None
 
 
+def install_abort_on_error() -> None:
+    """Make an uncaught exception on any rank end the whole MPI job. Local; idempotent.
+
+    Installs a ``sys.excepthook`` that prints the traceback with every line
+    tagged ``[rank R]``, then calls ``MPI_Abort`` on ``COMM_WORLD``, so the
+    other ranks do not wait forever in their next collective. ``KeyboardInterrupt``
+    keeps Python's default behaviour.
+    """
+    if getattr(sys.excepthook, "_mpidist_abort", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous(exc_type, exc, tb)
+            return
+        world = MPI.COMM_WORLD
+        lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
+        banner = (f"mpidist: uncaught {exc_type.__name__} on rank {world.rank} of {world.size}; aborting "
+                  "the job so the other ranks do not hang (MPIDIST_ABORT_ON_ERROR=0 turns this off)")
+        sys.stderr.write("".join(f"[rank {world.rank}] {line}\n" for line in [banner, *lines]))
+        sys.stderr.flush()
+        world.Abort(1)
+
+    hook._mpidist_abort = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def _describe(record: np.ndarray) -> str:
     """Human form of one agreement record, e.g. ``allreduce(sum) float32[3, 4]``."""
-    seq, kind, op, dcode, ndim, bad, root = (int(x) for x in record[:7])
+    seq, kind, op, dcode, ndim, bad, root = (int(x) for x in record[:_NONFINITE])
     name = _Kind(kind).name.lower() if kind in _Kind._value2member_map_ else f"kind{kind}"
     if bad:
         return f"#{seq} {name}: could not take part ({_Bad(bad).name.lower().replace('_', ' ')})"
     opname = next((o.value for o, c in _OP_CODES.items() if c == op), None)
-    dims = [int(d) for d in record[7:7 + min(ndim, _MAXDIM)]]
+    dims = [int(d) for d in record[_DIMS:_DIMS + min(ndim, _MAXDIM)]]
     dtype = np.dtype(_DTYPES[dcode]).name if 0 <= dcode < len(_DTYPES) else "?"
     text = f"#{seq} {name}"
     if opname:
@@ -201,7 +239,9 @@ class Communicator:
 
         Returns the reduced array (``array`` itself when ``inplace``, else a new
         array, or ``out`` when given). ``MEAN`` divides the sum by the number of
-        ranks and is only defined for floating and complex dtypes. Buffers
+        ranks and is only defined for floating and complex dtypes. With
+        ``options.check_finite``, a NaN or Inf on any rank raises
+        :class:`~mpidist.NonFiniteError` on every rank instead of spreading. Buffers
         larger than ``options.pipeline_bytes`` are reduced in pieces of that
         size, in place, without a full-size temporary.
         """
@@ -282,7 +322,7 @@ class Communicator:
     def _allreduce(self, array: Any, op: Union[ReduceOp, str], out: Any, inplace: bool, name: str,
                    blocking: bool) -> Any:
         op = ReduceOp.of(op)
-        self._agree(_Kind.ALLREDUCE, array, op, name=name)
+        self._agree(_Kind.ALLREDUCE, array, op, name=name, check_finite=self.options.check_finite)
         if inplace and out is not None:
             raise ValueError(f"rank {self.rank}: allreduce of {name!r}: pass either inplace=True or out=, not both")
         if inplace:
@@ -342,7 +382,7 @@ class Communicator:
         if records is None:  # no agreement exchange: gather the lengths alone
             lengths = np.array(self._call("allgather", self._comm.allgather, shape[0]), dtype=np.int64)
         else:
-            lengths = np.array([r[7] if r[4] else 1 for r in records], dtype=np.int64)
+            lengths = np.array([r[_DIMS] if r[_NDIM] else 1 for r in records], dtype=np.int64)
         counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
         result = array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
@@ -401,7 +441,7 @@ class Communicator:
         return self.options.check_collectives or self.options.timeout is not None
 
     def _agree(self, kind: _Kind, array: Any, op: Optional[ReduceOp], *, root: int = 0,
-               name: str) -> Optional[np.ndarray]:
+               name: str, check_finite: bool = False) -> Optional[np.ndarray]:
         """Validate locally, then (if enabled) exchange records and compare them on every rank.
 
         Returns all ranks' records (``size x _RECORD``) or ``None`` when the
@@ -412,28 +452,37 @@ class Communicator:
             raise CommError(f"rank {self.rank}: communicator unusable: {self._broken}")
         self._seq += 1
         bad, message = (_Bad.OK, "") if kind == _Kind.BARRIER else self._validate(array, op, name)
-        if not self._agreement_on():
+        if not (self._agreement_on() or check_finite):
             if bad:
                 raise (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
             return None
         record = np.zeros(_RECORD, dtype=np.int64)
-        record[:7] = (self._seq, kind, _OP_CODES.get(op, 0), 0, 0, bad, root)
+        record[:_NONFINITE] = (self._seq, kind, _OP_CODES.get(op, 0), 0, 0, bad, root)
         if kind != _Kind.BARRIER and not bad:
             shape = tuple(array.shape)
-            record[3] = _DTYPES.index(array.dtype.char)
-            record[4] = len(shape)
+            record[_DTYPE] = _DTYPES.index(array.dtype.char)
+            record[_NDIM] = len(shape)
             dims = list(shape[:_MAXDIM - 1]) + ([int(np.prod(shape[_MAXDIM - 1:]))] if len(shape) >= _MAXDIM else [])
-            record[7:7 + len(dims)] = dims
+            record[_DIMS:_DIMS + len(dims)] = dims
+            if check_finite and array.dtype.char in _FLOATS:
+                record[_NONFINITE] = not bool(array_module(array).isfinite(array).all())
         records = self._exchange(record, f"{kind.name.lower()} of {name!r}")
         if bad:
             raise (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
         self._compare(kind, records, name)
+        nonfinite = [r for r in range(self.size) if records[r, _NONFINITE]]
+        if nonfinite:
+            raise NonFiniteError(
+                f"rank {self.rank}: {kind.name.lower()} of {name!r}: rank{'s' if len(nonfinite) > 1 else ''} "
+                f"{format_ranks(nonfinite)} contributed NaN or Inf; nothing was reduced, so the other replicas "
+                "keep finite values. Find where the non-finite values come from (learning rate, loss scale, "
+                "bad input), or turn the guard off with check_finite=False.", nonfinite)
         return records
 
     def _compare(self, kind: _Kind, records: np.ndarray, name: str) -> None:
         mine = records[self.rank]
         # allgather: lengths along axis 0 may differ, so compare everything but dim 0
-        cols = [c for c in range(_RECORD) if not (kind == _Kind.ALLGATHER and c == 7)]
+        cols = [c for c in range(_RECORD) if c != _NONFINITE and not (kind == _Kind.ALLGATHER and c == _DIMS)]
         key = records[:, cols]
         if (key == key[0]).all():
             return

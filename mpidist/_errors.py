@@ -15,6 +15,8 @@ __all__ = [
     "CommError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "MirrorDivergenceError",
+    "NonFiniteError",
 ]
 
 
@@ -50,6 +52,30 @@ class CollectiveTimeoutError(MpidistError, RuntimeError):
     def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.missing_ranks = tuple(missing_ranks)
+
+
+class NonFiniteError(MpidistError, FloatingPointError):
+    """A reduction was refused because some ranks contributed NaN or Inf.
+
+    Raised on every rank (with ``check_finite`` on) before any data moved.
+    ``ranks`` lists the ranks whose contribution was not finite.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+class MirrorDivergenceError(MpidistError, RuntimeError):
+    """Components of a mirrored variable differ between ranks.
+
+    ``diverged`` maps each variable name to the ranks whose component differs
+    from rank 0's.
+    """
+
+    def __init__(self, message: str, diverged: dict[str, tuple[int, ...]] | None = None) -> None:
+        super().__init__(message)
+        self.diverged = dict(diverged or {})
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

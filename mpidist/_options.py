@@ -47,6 +47,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "device": _parse_choice("auto", "cpu", "gpu"),
     "cuda_aware": _parse_choice("auto", "1", "0"),
     "pipeline_bytes": int,
+    "check_finite": _parse_bool,
+    "abort_on_error": _parse_bool,
+    "check_mirrored_every": int,
 }
 
 
@@ -70,6 +73,17 @@ class Options:
         pipeline_bytes: reductions of larger buffers run in pieces of this
             many bytes, which keeps each piece in cache
             (``MPIDIST_PIPELINE_BYTES``).
+        check_finite: reductions raise :class:`~mpidist.NonFiniteError`
+            naming the ranks that contributed NaN/Inf, instead of spreading
+            them to every replica; costs one pass over each array
+            (``MPIDIST_CHECK_FINITE``).
+        abort_on_error: once a strategy exists, an uncaught exception on any
+            rank prints its traceback tagged with the rank and aborts the
+            whole job, instead of leaving the other ranks waiting
+            (``MPIDIST_ABORT_ON_ERROR``).
+        check_mirrored_every: compare mirrored variables' checksums across
+            ranks after every k-th replica-context update of each (0: never)
+            (``MPIDIST_CHECK_MIRRORED_EVERY``).
     """
 
     timeout: Optional[float] = None
@@ -77,10 +91,15 @@ class Options:
     device: str = "auto"
     cuda_aware: str = "auto"
     pipeline_bytes: int = 4 * _MIB
+    check_finite: bool = False
+    abort_on_error: bool = True
+    check_mirrored_every: int = 0
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"option timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        if self.check_mirrored_every < 0:
+            raise ValueError(f"option check_mirrored_every must be >= 0, got {self.check_mirrored_every!r}")
         if self.pipeline_bytes < 1024:
             raise ValueError(f"option pipeline_bytes must be at least 1024, got {self.pipeline_bytes!r}")
         for name in ("device", "cuda_aware"):

@@ -7,19 +7,23 @@ stack for replica / cross-replica code, and the variables' policies.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import zlib
 from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._backend import Backend, array_module, contiguous
-from mpidist._comm import Communicator
+from mpidist._backend import Backend, array_module, contiguous, to_host
+from mpidist._comm import Communicator, install_abort_on_error
+from mpidist._errors import MirrorDivergenceError, format_ranks
 from mpidist._context import ReplicaContext, _enter, get_replica_context
+from mpidist._nest import flatten as _flatten
 from mpidist._nest import map_structure
 from mpidist._ops import ReduceOp
 from mpidist._options import Options
 from mpidist._values import DistributedValues, PerReplica, regroup, select_replica_mirrored
-from mpidist._variables import DistributedVariable, VariableAggregation
+from mpidist._variables import DistributedVariable, MirroredVariable, VariableAggregation
 
 __all__ = ["MPIStrategy"]
 
@@ -48,8 +52,11 @@ class MPIStrategy:
             (seconds before a collective that some ranks never join raises
             :class:`~mpidist.CollectiveTimeoutError`), ``check_collectives``,
             ``device`` (``"auto"``, ``"cpu"``, ``"gpu"``), ``cuda_aware``,
-            ``pipeline_bytes``. Each defaults to its ``MPIDIST_*`` environment
-            variable. Unknown options raise ``ValueError``.
+            ``pipeline_bytes``, ``check_finite``, ``abort_on_error`` (default
+            on: an uncaught exception on any rank aborts the whole job with a
+            rank-tagged traceback), ``check_mirrored_every``. Each defaults to
+            its ``MPIDIST_*`` environment variable. Unknown options raise
+            ``ValueError``.
     """
 
     def __init__(self, comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
@@ -57,6 +64,8 @@ class MPIStrategy:
         self._own_comm = comm is None
         self.comm: MPI.Intracomm = MPI.COMM_WORLD.Dup() if comm is None else comm
         self._communicator = Communicator(self.comm, self.options)
+        if self.options.abort_on_error:
+            install_abort_on_error()
 
     # -- identity (local) ----------------------------------------------------------------
     @property
@@ -214,6 +223,46 @@ class MPIStrategy:
             raise RuntimeError(f"strategy.{what} is a cross-replica call; inside strategy.run use "
                                "get_replica_context().merge_call")
 
+    def check_mirrored(self, variables: Any, *, repair: bool = False) -> dict[str, tuple[int, ...]]:
+        """Collective: verify that mirrored variables are identical on every rank.
+
+        Compares a CRC-32 of each variable's component bytes across ranks (one
+        small allgather for all of them). ``variables`` is a nest (list, dict,
+        ...) of :class:`MirroredVariable`, passed in the same order on every
+        rank.
+
+        Returns ``{}`` when all agree. When some differ, raises
+        :class:`~mpidist.MirrorDivergenceError` naming each variable and the
+        ranks whose component differs from rank 0's; with ``repair=True``
+        instead broadcasts rank 0's values into the diverged variables, warns,
+        and returns ``{name: diverged ranks}``.
+        """
+        flat = _flatten(variables)
+        for v in flat:
+            if not isinstance(v, MirroredVariable):
+                raise TypeError(f"check_mirrored expects mirrored variables, got {type(v).__name__} {v!r}")
+            self._check_variable(v, "check_mirrored")
+        sums = np.array([[zlib.crc32(to_host(v._component).tobytes()) for v in flat]], dtype=np.int64)
+        table = self._communicator.allgather(sums, name="mirror checksums")
+        diverged = {v.name: tuple(int(r) for r in np.nonzero(table[:, i] != table[0, i])[0])
+                    for i, v in enumerate(flat) if (table[:, i] != table[0, i]).any()}
+        if not diverged:
+            return {}
+        report = "; ".join(f"{name!r} differs on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}"
+                           for name, rs in diverged.items())
+        if not repair:
+            raise MirrorDivergenceError(
+                f"rank {self.rank}: mirrored variables diverged from rank 0: {report}. Replicas must apply "
+                "the same updates (update mirrored variables only through assign*/strategy.update with the "
+                "same values on every rank); check_mirrored(..., repair=True) re-broadcasts rank 0's values.",
+                diverged)
+        for v in flat:
+            if v.name in diverged:
+                self._broadcast_array(v._component, name=v.name)
+        if self.rank == 0:
+            warnings.warn(f"mpidist: repaired mirrored variables from rank 0: {report}", RuntimeWarning, stacklevel=2)
+        return diverged
+
     # -- helpers for the variables layer ------------------------------------------------------
     def _aggregate(self, aggregation: VariableAggregation, value: Any, name: str) -> Any:
         """Collective: ``value`` combined across replicas by ``aggregation`` (a new array)."""
@@ -226,3 +275,11 @@ class MPIStrategy:
     def _broadcast_array(self, array: Any, name: str) -> None:
         """Collective: overwrite ``array`` with rank 0's, in place."""
         self._communicator.broadcast(array, root=0, name=name)
+
+    def _after_mirrored_update(self, var: DistributedVariable) -> None:
+        """Collective when due: the periodic ``check_mirrored`` of ``options.check_mirrored_every``."""
+        every = self.options.check_mirrored_every
+        if every:
+            var._updates += 1
+            if var._updates % every == 0:
+                self.check_mirrored([var])

@@ -107,6 +107,7 @@ class _OnWritePolicy(_Policy):
     @staticmethod
     def _merge_update(strategy: "MPIStrategy", var: "DistributedVariable", kind: str, value: Any) -> Any:
         strategy.update(var, _UPDATES[kind], strategy._aggregate(var.aggregation, value, name=var.name))
+        strategy._after_mirrored_update(var)
         return var
 
     def read(self, var: "DistributedVariable") -> Any:
@@ -162,6 +163,7 @@ class DistributedVariable(DistributedValues):
         self._name = name
         self._aggregation = aggregation
         self._policy = policy
+        self._updates = 0
         register_component(self, strategy.rank, component)
 
     # -- properties (local) -----------------------------------------------------------
