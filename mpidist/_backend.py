@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Backend", "array_module", "contiguous", "cupy_or_none", "is_device_array", "to_host"]
+__all__ = ["Backend", "DeviceStager", "array_module", "contiguous", "cupy_or_none", "is_device_array", "to_host"]
 
 
 def cupy_or_none() -> Optional[ModuleType]:
@@ -152,6 +152,65 @@ class Backend:
         if buffer is not array:
             array.set(buffer)
             self.synchronize()
+
+
+class DeviceStager:
+    """Copies host arrays to a GPU backend's device on a side CUDA stream, ahead of their use.
+
+    Made for input prefetching. Create it in the thread that will use the
+    data (its current stream is the *consumer* stream). :meth:`start` may run
+    in any thread: it copies the host array into pinned memory and queues an
+    asynchronous host-to-device copy on the side stream. :meth:`finish` runs
+    in the consumer's thread and makes the consumer stream wait for that copy
+    without blocking the host. Local: nothing here talks to other ranks.
+
+    Device buffers are allocated on the consumer stream, so CuPy's memory
+    pool hands a freed batch's memory back to that stream only; the side
+    stream waits for the consumer's queued work before it overwrites a
+    reused block. Pinned host buffers are kept alive until their copy has
+    completed.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        if not backend.is_gpu:
+            raise ValueError(f"DeviceStager needs a GPU backend, got {backend!r}")
+        import cupy
+
+        self._device_id = backend.device_id
+        self._consumer = cupy.cuda.get_current_stream()
+        with cupy.cuda.Device(self._device_id):
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._in_flight: list[tuple[Any, np.ndarray]] = []
+
+    def start(self, host: Any) -> tuple[Any, Any]:
+        """Queue the copy of ``host`` (a NumPy array) to the device; returns a token for :meth:`finish`."""
+        import cupy
+        import cupyx
+
+        self._in_flight = [(ev, buf) for ev, buf in self._in_flight if not ev.done]
+        host = np.asarray(host)
+        pinned = cupyx.empty_pinned(host.shape, dtype=host.dtype)
+        pinned[...] = host
+        with cupy.cuda.Device(self._device_id):
+            with self._consumer:
+                device = cupy.empty(host.shape, dtype=host.dtype)
+                allocated = cupy.cuda.Event(disable_timing=True)
+                allocated.record(self._consumer)
+            self._stream.wait_event(allocated)
+            device.set(pinned, stream=self._stream)
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(self._stream)
+        self._in_flight.append((done, pinned))
+        return device, done
+
+    @staticmethod
+    def finish(token: tuple[Any, Any]) -> Any:
+        """The device array of ``token``; the calling thread's current stream waits for its copy."""
+        import cupy
+
+        device, done = token
+        cupy.cuda.get_current_stream().wait_event(done)
+        return device
 
 
 def contiguous(array: Any) -> Any:

@@ -72,10 +72,14 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MEAN: MPI.SUM, ReduceOp.MIN: MPI.MIN
 _BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND, ReduceOp.PROD: MPI.LAND}
 
 _MAXDIM = 8
-# Columns of an agreement record; the last _MAXDIM hold the shape (the last of them the
-# product of any further dims). NONFINITE is per-rank information, not compared.
-_SEQ, _KIND, _OP, _DTYPE, _NDIM, _BAD, _ROOT, _NONFINITE, _DIMS = range(9)
-_RECORD = _DIMS + _MAXDIM
+# Columns of an agreement record. _DIMS.. hold dims 1 and up (the last slot the product of any
+# dims past _MAXDIM); _DIM0 the length along axis 0, compared except in allgather; _NONFINITE is
+# per-rank information, never compared. Ranks agree when their records match up to _DIM0.
+_SEQ, _KIND, _OP, _DTYPE, _NDIM, _BAD, _ROOT, _DIMS = range(8)
+_DIM0 = _DIMS + _MAXDIM - 1
+_NONFINITE = _DIM0 + 1
+_RECORD = _NONFINITE + 1
+_DTYPE_CODES = {c: i for i, c in enumerate(_DTYPES)}
 _TAG_AGREE = 7701
 
 
@@ -92,6 +96,11 @@ def _library_cuda_support() -> Optional[bool]:
         query.restype = ctypes.c_int
         return bool(query())
     return None
+
+
+def _local_error(bad: "_Bad", message: str) -> Exception:
+    """The exception a rank raises for its own invalid arguments."""
+    return (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
 
 
 def install_abort_on_error() -> None:
@@ -124,12 +133,14 @@ def install_abort_on_error() -> None:
 
 def _describe(record: np.ndarray) -> str:
     """Human form of one agreement record, e.g. ``allreduce(sum) float32[3, 4]``."""
-    seq, kind, op, dcode, ndim, bad, root = (int(x) for x in record[:_NONFINITE])
+    seq, kind, op, dcode, ndim, bad, root = (int(x) for x in record[:_DIMS])
     name = _Kind(kind).name.lower() if kind in _Kind._value2member_map_ else f"kind{kind}"
     if bad:
         return f"#{seq} {name}: could not take part ({_Bad(bad).name.lower().replace('_', ' ')})"
     opname = next((o.value for o, c in _OP_CODES.items() if c == op), None)
-    dims = [int(d) for d in record[_DIMS:_DIMS + min(ndim, _MAXDIM)]]
+    dims = [int(d) for d in record[_DIMS:_DIMS + min(ndim, _MAXDIM) - 1]]
+    if ndim:
+        dims.insert(0, int(record[_DIM0]))
     dtype = np.dtype(_DTYPES[dcode]).name if 0 <= dcode < len(_DTYPES) else "?"
     text = f"#{seq} {name}"
     if opname:
@@ -318,6 +329,32 @@ class Communicator:
         base, extra = divmod(n, self.size)
         return [base + (1 if r < extra else 0) for r in range(self.size)]
 
+    # -- small byte payloads (metadata, error reports) -------------------------------
+    def allgather_bytes(self, data: bytes, *, name: str = "bytes") -> list[bytes]:
+        """Collective: every rank's ``data`` (any length, also empty), as a list in rank order.
+
+        For small metadata such as JSON descriptions and "did everyone
+        succeed?" reports. The bytes travel as a ``uint8`` buffer, never
+        pickled, through :meth:`allgather` (two calls: lengths, then payload),
+        so agreement checks and the timeout apply.
+        """
+        local = np.frombuffer(bytes(data), dtype=np.uint8)
+        lengths = self.allgather(np.array([local.size], dtype=np.int64), name=f"{name} (lengths)")
+        joined = self.allgather(local, name=name).tobytes()
+        ends = np.cumsum(lengths).tolist()
+        return [joined[lo:hi] for lo, hi in zip([0] + ends[:-1], ends)]
+
+    def broadcast_bytes(self, data: Optional[bytes], root: int = 0, *, name: str = "bytes") -> bytes:
+        """Collective: root's ``data`` on every rank (the others' ``data`` is ignored; ``None`` is ``b""``).
+
+        Like :meth:`allgather_bytes`: a ``uint8`` buffer, never pickled; two
+        broadcasts (length, then payload).
+        """
+        mine = bytes(data or b"") if self.rank == root else b""
+        length = self.broadcast(np.array([len(mine)], dtype=np.int64), root, name=f"{name} (length)")
+        buffer = np.frombuffer(mine, dtype=np.uint8).copy() if self.rank == root else np.empty(int(length[0]), np.uint8)
+        return self.broadcast(buffer, root, name=name).tobytes()
+
     # -- implementation ------------------------------------------------------------
     def _allreduce(self, array: Any, op: Union[ReduceOp, str], out: Any, inplace: bool, name: str,
                    blocking: bool) -> Any:
@@ -338,6 +375,12 @@ class Communicator:
         send = None if target is array or copied else array
         recv = self.backend.to_mpi(target, self.cuda_aware, reuse=blocking)
         mpi_op = self._mpi_op(op, array.dtype)
+        if blocking and recv is target and self.options.timeout is None and target.nbytes <= self.options.pipeline_bytes:
+            # the common small host case: one call, no pieces (this is the per-update latency path)
+            self._call("allreduce", self._comm.Allreduce, MPI.IN_PLACE if send is None else send, target, mpi_op)
+            if op is ReduceOp.MEAN:
+                target[...] /= self.size
+            return target
 
         def piece_args(lo: int, hi: int) -> tuple[Any, Any, MPI.Op]:
             sbuf = MPI.IN_PLACE if send is None else send.reshape(-1)[lo:hi]
@@ -382,7 +425,7 @@ class Communicator:
         if records is None:  # no agreement exchange: gather the lengths alone
             lengths = np.array(self._call("allgather", self._comm.allgather, shape[0]), dtype=np.int64)
         else:
-            lengths = np.array([r[_DIMS] if r[_NDIM] else 1 for r in records], dtype=np.int64)
+            lengths = np.where(records[:, _NDIM] > 0, records[:, _DIM0], 1)
         counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
         result = array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
@@ -454,24 +497,28 @@ class Communicator:
         bad, message = (_Bad.OK, "") if kind == _Kind.BARRIER else self._validate(array, op, name)
         if not (self._agreement_on() or check_finite):
             if bad:
-                raise (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
+                raise _local_error(bad, message)
             return None
-        record = np.zeros(_RECORD, dtype=np.int64)
-        record[:_NONFINITE] = (self._seq, kind, _OP_CODES.get(op, 0), 0, 0, bad, root)
+        fields = [self._seq, kind, _OP_CODES.get(op, 0), 0, 0, bad, root] + [0] * (_RECORD - _DIMS)
         if kind != _Kind.BARRIER and not bad:
-            shape = tuple(array.shape)
-            record[_DTYPE] = _DTYPES.index(array.dtype.char)
-            record[_NDIM] = len(shape)
-            dims = list(shape[:_MAXDIM - 1]) + ([int(np.prod(shape[_MAXDIM - 1:]))] if len(shape) >= _MAXDIM else [])
-            record[_DIMS:_DIMS + len(dims)] = dims
+            shape = array.shape
+            fields[_DTYPE] = _DTYPE_CODES[array.dtype.char]
+            fields[_NDIM] = len(shape)
+            if shape:
+                rest = list(shape[1:_MAXDIM - 1])
+                if len(shape) >= _MAXDIM:
+                    rest.append(int(np.prod(shape[_MAXDIM - 1:])))
+                fields[_DIMS:_DIMS + len(rest)] = rest
+                fields[_DIM0] = shape[0]
             if check_finite and array.dtype.char in _FLOATS:
-                record[_NONFINITE] = not bool(array_module(array).isfinite(array).all())
-        records = self._exchange(record, f"{kind.name.lower()} of {name!r}")
+                fields[_NONFINITE] = int(not bool(array_module(array).isfinite(array).all()))
+        record = np.array(fields, dtype=np.int64)
+        records = self._exchange(record, kind, name)
         if bad:
-            raise (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
+            raise _local_error(bad, message)
         self._compare(kind, records, name)
-        nonfinite = [r for r in range(self.size) if records[r, _NONFINITE]]
-        if nonfinite:
+        if records[:, _NONFINITE].any():
+            nonfinite = [r for r in range(self.size) if records[r, _NONFINITE]]
             raise NonFiniteError(
                 f"rank {self.rank}: {kind.name.lower()} of {name!r}: rank{'s' if len(nonfinite) > 1 else ''} "
                 f"{format_ranks(nonfinite)} contributed NaN or Inf; nothing was reduced, so the other replicas "
@@ -481,9 +528,7 @@ class Communicator:
 
     def _compare(self, kind: _Kind, records: np.ndarray, name: str) -> None:
         mine = records[self.rank]
-        # allgather: lengths along axis 0 may differ, so compare everything but dim 0
-        cols = [c for c in range(_RECORD) if c != _NONFINITE and not (kind == _Kind.ALLGATHER and c == _DIMS)]
-        key = records[:, cols]
+        key = records[:, :_DIM0 if kind == _Kind.ALLGATHER else _DIM0 + 1]
         if (key == key[0]).all():
             return
         described = {r: _describe(records[r]) for r in range(self.size)}
@@ -499,12 +544,13 @@ class Communicator:
             described,
         )
 
-    def _exchange(self, record: np.ndarray, what: str) -> np.ndarray:
+    def _exchange(self, record: np.ndarray, kind: _Kind, name: str) -> np.ndarray:
         """Every rank's record, via Allgather, or polled point-to-point messages under a timeout."""
         records = np.empty((self.size, _RECORD), dtype=np.int64)
         if self.options.timeout is None:
             self._call("agreement", self._comm.Allgather, record, records)
             return records
+        what = f"{kind.name.lower()} of {name!r}"
         records[self.rank] = record
         peers = [r for r in range(self.size) if r != self.rank]
         recvs = [self._call("agreement", self._comm.Irecv, records[r], r, _TAG_AGREE) for r in peers]

@@ -12,6 +12,8 @@ from typing import Iterable, Sequence
 
 __all__ = [
     "MpidistError",
+    "CheckpointError",
+    "ChecksumError",
     "CommError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -76,6 +78,29 @@ class MirrorDivergenceError(MpidistError, RuntimeError):
     def __init__(self, message: str, diverged: dict[str, tuple[int, ...]] | None = None) -> None:
         super().__init__(message)
         self.diverged = dict(diverged or {})
+
+
+class CheckpointError(MpidistError, RuntimeError):
+    """A checkpoint could not be saved or restored (I/O error, unusable directory).
+
+    Collective operations raise it on every rank; the message names the ranks
+    that failed and why, and on those ranks the original error is chained as
+    ``__cause__``.
+    """
+
+
+class ChecksumError(CheckpointError):
+    """A checkpoint file does not match the checksum or size recorded when it was written.
+
+    The file was truncated, altered or damaged after the save. ``file`` is the
+    damaged file and ``entry`` the name of the item stored in it (``None``
+    for the manifest).
+    """
+
+    def __init__(self, message: str, file: str | None = None, entry: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+        self.entry = entry
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

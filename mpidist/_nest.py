@@ -225,4 +225,20 @@ def map_structure(fn: Callable[..., Any], *nests: Any) -> Any:
     first nest. Raises ``ValueError`` naming the path where two nests differ.
     Local: no communication.
     """
-    return map_structure_with_path(lambda _path, *leaves: fn(*leaves), *nests)
+    if not nests:
+        raise TypeError("map_structure needs at least one nest")
+    first = nests[0]
+    for other in nests[1:]:
+        assert_same_structure(first, other)
+
+    def walk(nodes: Tuple[Any, ...]) -> Any:
+        head = nodes[0]
+        if type(head) in (list, tuple) or (isinstance(head, (list, tuple)) and not _is_namedtuple(head)):
+            return _rebuild(head, [walk(tuple(n[i] for n in nodes)) for i in range(len(head))])
+        if isinstance(head, dict):
+            return _rebuild(head, [walk(tuple(n[k] for n in nodes)) for k in _dict_keys(head)])
+        if _is_namedtuple(head):
+            return type(head)._make([walk(tuple(n[i] for n in nodes)) for i in range(len(head))])
+        return fn(*nodes)
+
+    return walk(nests)

@@ -23,7 +23,7 @@ class ReduceOp(enum.Enum):
     @classmethod
     def of(cls, op: Union["ReduceOp", str]) -> "ReduceOp":
         """Accept a ``ReduceOp`` or its name (``"sum"``, ``"MEAN"``, ...)."""
-        if isinstance(op, cls):
+        if op.__class__ is cls:
             return op
         if isinstance(op, str):
             try:

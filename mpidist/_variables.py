@@ -102,12 +102,12 @@ class _OnWritePolicy(_Policy):
                 "Variable(..., aggregation=VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA), or update it "
                 "in cross-replica context with strategy.update"
             )
-        return replica.merge_call(self._merge_update, args=(var, kind, var._coerce(value)))
-
-    @staticmethod
-    def _merge_update(strategy: "MPIStrategy", var: "DistributedVariable", kind: str, value: Any) -> Any:
-        strategy.update(var, _UPDATES[kind], strategy._aggregate(var.aggregation, value, name=var.name))
-        strategy._after_mirrored_update(var)
+        # What merge_call would do, without wrapping and unwrapping the arguments: the update is
+        # the hot path of training loops.
+        strategy = var._strategy
+        with strategy.scope():
+            _UPDATES[kind](var._component, strategy._aggregate(var.aggregation, var._coerce(value), name=var.name))
+            strategy._after_mirrored_update(var)
         return var
 
     def read(self, var: "DistributedVariable") -> Any:

@@ -1,0 +1,523 @@
+"""The checkpoint format on disk: pure file handling, no MPI, no strategy.
+
+A *checkpoint directory* (the ``path`` given to ``Checkpoint.save``) holds one
+subdirectory per kept save, numbered in the order they were made::
+
+    path/
+      ckpt-000007/
+        manifest.json          names, kinds, shapes, dtypes, aggregation, world size, CRC-32s
+        0000-bias.npy          one standard .npy file per array
+        0001-weights.npy
+      ckpt-000008/ ...         the newest complete one is "the checkpoint at path"
+      .tmp-ckpt-000009-1a2b/   a save in progress (or one that was killed): ignored
+
+Every ``.npy`` file is a plain NumPy file (``numpy.load(f, allow_pickle=False)``
+reads it); ``manifest.json`` is plain JSON. Nothing in a checkpoint is ever
+unpickled or executed.
+
+Atomicity: a save writes a hidden ``.tmp-ckpt-*`` directory, fsyncs its files
+and the directory, and only then renames it to ``ckpt-NNNNNN``: a rename is
+atomic, so a save killed at any moment leaves the previous saves untouched,
+and readers never see a half-written one. Older saves beyond ``keep`` and
+leftovers of killed saves are removed after the commit.
+
+Checksums: CRC-32 (``zlib.crc32``) of every piece of ``chunk_bytes`` bytes of
+array data, of each ``.npy`` header, and of the manifest itself. CRC-32 is
+the fastest checksum in the standard library (about 4 GB/s per core, faster
+than any ``hashlib`` digest), detects every burst error up to 32 bits, a
+truncation (sizes are recorded too) and random damage with probability
+1 - 2^-32 per piece; anyone can recompute it with ``zlib.crc32``. It does not
+protect against deliberate tampering; nothing in the file is executable, so
+tampering can at worst change values.
+
+The arithmetic that splits the work between ranks (:func:`share_ranges`) is
+a pure function of sizes and the number of ranks, so it is tested serially.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+from mpidist._errors import CheckpointError, ChecksumError
+from mpidist._version import __version__
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Report",
+    "inspect",
+    "list_versions",
+    "read_checkpoint",
+    "resolve",
+    "share_ranges",
+]
+
+FORMAT = "mpidist-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+VERSION_PREFIX = "ckpt-"
+TMP_PREFIX = ".tmp-ckpt-"
+CHUNK_BYTES = 8 << 20
+
+MIRRORED, SYNC_ON_READ, ARRAY, STATE = "mirrored", "sync_on_read", "array", "state"
+ARRAY_KINDS = (MIRRORED, SYNC_ON_READ, ARRAY)
+
+_VERSION_RE = re.compile(rf"^{re.escape(VERSION_PREFIX)}(\d+)$")
+_TMP_RE = re.compile(rf"^{re.escape(TMP_PREFIX)}(\d+)-")
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+# -- arrays and headers ----------------------------------------------------------------
+def check_dtype(dtype: Any, name: str) -> np.dtype:
+    """``dtype`` if a checkpoint can hold it (bool, integers, floats, complex, datetimes)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "biufcmM" or dtype.fields is not None or dtype.subdtype is not None:
+        raise TypeError(f"checkpoint item {name!r} has dtype {dtype}, which checkpoints cannot hold; "
+                        "use a bool, integer, floating, complex or datetime dtype")
+    return dtype
+
+
+def npy_header(shape: Sequence[int], dtype: np.dtype) -> bytes:
+    """The ``.npy`` header (format 1.0, or 2.0 when needed) of a C-ordered array; its length is a multiple of 64."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+              "shape": tuple(int(s) for s in shape)}
+    out = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(out, header)
+    except ValueError:  # too many dimensions for a 1.0 header
+        out = io.BytesIO()
+        np.lib.format.write_array_header_2_0(out, header)
+    return out.getvalue()
+
+
+def safe_file_name(index: int, name: str) -> str:
+    """``0003-layer1.kernel.npy``: the entry's index keeps names unique, the rest keeps them readable."""
+    return f"{index:04d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:80]}.npy"
+
+
+def chunk_count(nbytes: int, chunk_bytes: int) -> int:
+    return -(-nbytes // chunk_bytes)
+
+
+def share_ranges(sizes: Sequence[int], nranks: int, chunk_bytes: int,
+                 rank0_only: Optional[Sequence[bool]] = None) -> list[list[tuple[int, int]]]:
+    """Split the bytes of several arrays between ``nranks`` ranks, in whole chunks.
+
+    Returns ``ranges[e][r] = (lo, hi)``: the bytes of entry ``e`` that rank
+    ``r`` handles. Within an entry the ranks' ranges are contiguous, in rank
+    order, and together cover the entry; boundaries fall on multiples of
+    ``chunk_bytes``. The chunks of all entries (except those in
+    ``rank0_only``, which rank 0 handles alone) are dealt out as one stream,
+    each rank getting an equal share of the bytes, so many small arrays are
+    spread over the ranks as well as one large one.
+    """
+    if nranks < 1 or chunk_bytes < 1:
+        raise ValueError(f"share_ranges needs nranks >= 1 and chunk_bytes >= 1, got {nranks}, {chunk_bytes}")
+    fixed = list(rank0_only) if rank0_only is not None else [False] * len(sizes)
+    total = sum(int(s) for s, f in zip(sizes, fixed) if not f)
+    result: list[list[tuple[int, int]]] = []
+    pos = 0
+    for size, alone in zip(sizes, fixed):
+        size = int(size)
+        if alone:
+            result.append([(0, size)] + [(size, size)] * (nranks - 1))
+            continue
+        # bounds[r]: where rank r's range starts. A chunk goes to the rank owning its midpoint
+        # in the stream; owners never decrease along the stream, so each rank's chunks are contiguous.
+        bounds = [size] * (nranks + 1)
+        next_rank = 0
+        for lo in range(0, size, chunk_bytes):
+            hi = min(lo + chunk_bytes, size)
+            owner = min(nranks - 1, (2 * (pos + lo) + (hi - lo)) * nranks // (2 * total))
+            while next_rank <= owner:
+                bounds[next_rank] = lo
+                next_rank += 1
+        result.append([(bounds[r], bounds[r + 1]) for r in range(nranks)])
+        pos += size
+    return result
+
+
+# -- moving bytes ------------------------------------------------------------------------
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _pread_into(fd: int, out: memoryview, offset: int) -> int:
+    """Fill ``out`` from ``offset``; returns the bytes read (fewer only at the end of the file)."""
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _run(tasks: list[Callable[[], Any]], threads: int) -> list[Any]:
+    """Run ``tasks`` (file I/O and CRCs, which release the GIL) on up to ``threads`` threads."""
+    if threads <= 1 or len(tasks) <= 1:
+        return [task() for task in tasks]
+    with ThreadPoolExecutor(max_workers=min(threads, len(tasks))) as pool:
+        return list(pool.map(lambda task: task(), tasks))
+
+
+@dataclasses.dataclass
+class Piece:
+    """Bytes ``[lo, hi)`` of one entry's data: what one rank writes or reads of it."""
+
+    entry: dict
+    lo: int
+    hi: int
+    buffer: Any = None  # uint8 array of hi - lo bytes (data to write, or where reads land)
+
+
+def write_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads: int,
+                 fsync: bool) -> dict[str, dict[int, int]]:
+    """Write each piece's buffer into its entry's (pre-sized) file; return ``{name: {chunk: crc32}}``.
+
+    The files must exist (see :func:`create_files`). Files are fsynced before
+    returning when ``fsync``. Local.
+    """
+    fds: dict[str, int] = {}
+    tasks = []
+    try:
+        for piece in pieces:
+            entry = piece.entry
+            if entry["file"] not in fds:
+                fds[entry["file"]] = os.open(directory / entry["file"], os.O_WRONLY)
+            fd = fds[entry["file"]]
+            view = memoryview(piece.buffer)
+            for lo in range(piece.lo, piece.hi, chunk_bytes):
+                part = view[lo - piece.lo:min(lo + chunk_bytes, piece.hi) - piece.lo]
+                tasks.append(lambda fd=fd, part=part, lo=lo, entry=entry: (
+                    entry["name"], lo // chunk_bytes,
+                    _pwrite_all(fd, part, entry["data_offset"] + lo) or zlib.crc32(part)))
+        crcs: dict[str, dict[int, int]] = {}
+        for name, index, crc in _run(tasks, threads):
+            crcs.setdefault(name, {})[index] = crc
+        if fsync:
+            _run([lambda fd=fd: os.fsync(fd) for fd in fds.values()], threads)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return crcs
+
+
+def read_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads: int) -> None:
+    """Read each piece into its buffer, verifying the CRC-32 of every chunk and header touched. Local.
+
+    Raises:
+        ChecksumError: a file is missing, too short, or a chunk or header
+            does not match its checksum; the message names file and entry.
+    """
+    fds: dict[str, int] = {}
+    tasks = []
+    try:
+        for piece in pieces:
+            entry = piece.entry
+            path = directory / entry["file"]
+            if entry["file"] not in fds:
+                try:
+                    fds[entry["file"]] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise ChecksumError(f"{path}: data file of {entry['name']!r} is missing; the checkpoint "
+                                        "is damaged", file=str(path), entry=entry["name"]) from None
+            fd = fds[entry["file"]]
+            if piece.lo == 0:
+                tasks.append(lambda fd=fd, entry=entry, path=path: _verify_header(fd, entry, path))
+            view = memoryview(piece.buffer)
+            for lo in range(piece.lo, piece.hi, chunk_bytes):
+                part = view[lo - piece.lo:min(lo + chunk_bytes, piece.hi) - piece.lo]
+                tasks.append(lambda fd=fd, part=part, lo=lo, entry=entry, path=path: _read_chunk(
+                    fd, part, lo, entry, path, chunk_bytes))
+        _run(tasks, threads)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _verify_header(fd: int, entry: dict, path: Path) -> None:
+    header = bytearray(entry["data_offset"])
+    got = _pread_into(fd, memoryview(header), 0)
+    if got < len(header) or zlib.crc32(header) != entry["header_crc32"]:
+        raise ChecksumError(f"{path}: the .npy header of {entry['name']!r} does not match its checksum "
+                            "(the file was altered or damaged after it was written)",
+                            file=str(path), entry=entry["name"])
+    size = os.fstat(fd).st_size
+    if size != entry["data_offset"] + entry["nbytes"]:
+        raise ChecksumError(f"{path}: data file of {entry['name']!r} has {size} bytes, expected "
+                            f"{entry['data_offset'] + entry['nbytes']} (truncated or extended after it was "
+                            "written)", file=str(path), entry=entry["name"])
+
+
+def _read_chunk(fd: int, out: memoryview, lo: int, entry: dict, path: Path, chunk_bytes: int) -> None:
+    got = _pread_into(fd, out, entry["data_offset"] + lo)
+    index = lo // chunk_bytes
+    where = f"{path}: {entry['name']!r}, bytes {lo}-{lo + len(out)} (chunk {index})"
+    if got < len(out):
+        raise ChecksumError(f"{where}: the file ends after {entry['data_offset'] + lo + got} bytes; it was "
+                            "truncated after it was written", file=str(path), entry=entry["name"])
+    expected, found = entry["chunk_crc32"][index], zlib.crc32(out)
+    if found != expected:
+        raise ChecksumError(f"{where}: CRC-32 {found:08x} does not match the recorded {expected:08x}; the "
+                            "file was altered or damaged after it was written", file=str(path),
+                            entry=entry["name"])
+
+
+# -- manifest ----------------------------------------------------------------------------
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def encode_manifest(manifest: dict) -> bytes:
+    """The manifest as JSON text with its own CRC-32 (of the canonical form of everything else)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    return json.dumps({**body, "manifest_crc32": zlib.crc32(_canonical(body))}, indent=1).encode()
+
+
+def decode_manifest(data: bytes, where: str) -> dict:
+    """Parse and verify a manifest (JSON only, nothing is executed). Raises :class:`ChecksumError`."""
+    try:
+        manifest = json.loads(data.decode())
+        body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+        intact = manifest.get("manifest_crc32") == zlib.crc32(_canonical(body))
+    except (UnicodeDecodeError, ValueError, AttributeError) as exc:
+        raise ChecksumError(f"{where}: not a valid manifest ({exc}); the checkpoint is damaged",
+                            file=where) from None
+    if not intact:
+        raise ChecksumError(f"{where}: the manifest does not match its checksum; it was altered or damaged "
+                            "after it was written", file=where)
+    if manifest.get("format") != FORMAT or not isinstance(manifest.get("format_version"), int):
+        raise CheckpointError(f"{where}: not an mpidist checkpoint manifest")
+    if manifest["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(f"{where}: checkpoint format version {manifest['format_version']} is newer than "
+                              f"this mpidist ({__version__}) reads ({FORMAT_VERSION}); upgrade mpidist")
+    return manifest
+
+
+def make_manifest(entries: list[dict], world_size: int, chunk_bytes: int) -> dict:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "mpidist_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": world_size,
+            "checksum": "crc32", "chunk_bytes": chunk_bytes, "entries": entries}
+
+
+def read_manifest(version_dir: Path) -> dict:
+    """Read and verify ``version_dir/manifest.json``. Local."""
+    path = Path(version_dir) / MANIFEST
+    return decode_manifest(path.read_bytes(), str(path))
+
+
+def entry_array(entry: dict, buffer: Any) -> np.ndarray:
+    """The entry's bytes (a ``uint8`` array) viewed with its dtype and shape."""
+    return np.asarray(buffer).view(np.dtype(entry["dtype"])).reshape(entry["shape"])
+
+
+# -- directories -------------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_versions(path: PathLike) -> list[Path]:
+    """The complete saves in checkpoint directory ``path``, oldest first. Local."""
+    root = Path(path)
+    found = []
+    for child in root.iterdir() if root.is_dir() else ():
+        match = _VERSION_RE.match(child.name)
+        if match and (child / MANIFEST).is_file():
+            found.append((int(match.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def resolve(path: PathLike) -> Path:
+    """The save to read: ``path`` itself if it holds a manifest, else its newest save. Local.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no complete save.
+    """
+    root = Path(path)
+    if (root / MANIFEST).is_file():
+        return root
+    versions = list_versions(root)
+    if not versions:
+        what = "does not exist" if not root.exists() else "holds no complete checkpoint"
+        raise FileNotFoundError(f"checkpoint {root} {what} (expected {VERSION_PREFIX}NNNNNN/{MANIFEST} "
+                                "inside it, written by Checkpoint.save)")
+    return versions[-1]
+
+
+def begin_save(path: PathLike) -> tuple[Path, int]:
+    """Create the temporary directory of the next save in ``path``; returns it and the save's number. Local."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    numbers = [0]
+    for child in root.iterdir():
+        match = _VERSION_RE.match(child.name) or _TMP_RE.match(child.name)
+        if match:
+            numbers.append(int(match.group(1)))
+        elif not child.name.startswith("."):
+            raise CheckpointError(f"{root} exists and holds {child.name!r}, which is not part of an mpidist "
+                                  "checkpoint; save into an empty or new directory (a checkpoint directory "
+                                  f"holds only {VERSION_PREFIX}NNNNNN subdirectories)")
+    number = max(numbers) + 1
+    tmp = root / f"{TMP_PREFIX}{number:06d}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp, number
+
+
+def create_files(directory: Path, entries: list[dict]) -> None:
+    """Create each entry's ``.npy`` file with its header, sized for its data. Local."""
+    for entry in entries:
+        header = npy_header(entry["shape"], np.dtype(entry["dtype"]))
+        fd = os.open(directory / entry["file"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(header), 0)
+            os.ftruncate(fd, len(header) + entry["nbytes"])
+        finally:
+            os.close(fd)
+
+
+def commit(tmp: Path, number: int, manifest: dict, fsync: bool) -> Path:
+    """Write the manifest, then rename ``tmp`` to ``ckpt-NNNNNN``: the atomic step of a save. Local."""
+    fd = os.open(tmp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _pwrite_all(fd, memoryview(encode_manifest(manifest)), 0)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if fsync:
+        fsync_dir(tmp)
+    final = tmp.parent / f"{VERSION_PREFIX}{number:06d}"
+    os.rename(tmp, final)
+    if fsync:
+        fsync_dir(tmp.parent)
+    return final
+
+
+def prune(root: Path, keep: int, current: Path) -> list[str]:
+    """Remove saves older than the newest ``keep`` and leftovers of killed saves; returns problems. Local."""
+    problems = []
+    doomed = [p for p in list_versions(root)[:-keep] if p != current]
+    doomed += [c for c in root.iterdir() if _TMP_RE.match(c.name)]
+    for path in doomed:
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            problems.append(f"could not remove {path}: {exc}")
+    return problems
+
+
+def discard(tmp: Path) -> None:
+    """Remove the temporary directory of a failed save (best effort). Local."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- reading without a strategy --------------------------------------------------------------
+def _threads() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores))
+
+
+def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndarray]:
+    """Read a checkpoint into plain NumPy arrays, without MPI or a strategy. Local.
+
+    Args:
+        path: a checkpoint directory (its newest save is read) or one save
+            inside it (``path/ckpt-000003``).
+        verify: check every CRC-32 (default). Without it, data is read with
+            ``numpy.load(..., allow_pickle=False)`` and only sizes are checked.
+
+    Returns:
+        ``{name: array}`` for every array entry: a mirrored variable's value,
+        a sync-on-read variable's reduced value, a plain array. Iterator
+        states are not arrays; they are in the manifest's JSON.
+
+    Raises:
+        FileNotFoundError: no complete save at ``path``.
+        ChecksumError: a file is damaged; the message names it and the entry.
+    """
+    directory = resolve(path)
+    manifest = read_manifest(directory)
+    entries = [e for e in manifest["entries"] if e["kind"] in ARRAY_KINDS]
+    if not verify:
+        return {e["name"]: np.load(directory / e["file"], allow_pickle=False) for e in entries}
+    pieces = [Piece(e, 0, e["nbytes"], np.empty(e["nbytes"], np.uint8)) for e in entries]
+    read_pieces(directory, pieces, manifest["chunk_bytes"], _threads())
+    return {p.entry["name"]: entry_array(p.entry, p.buffer) for p in pieces}
+
+
+@dataclasses.dataclass
+class Report:
+    """What :func:`inspect` found in one save."""
+
+    directory: Path
+    manifest: dict
+    problems: dict[str, str]  # entry name -> what is wrong with it (empty: all verified)
+    verified: bool
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def inspect(path: PathLike, *, verify: bool = True) -> Report:
+    """Describe one save and (with ``verify``) check every checksum, collecting all problems. Local.
+
+    Raises:
+        FileNotFoundError: no complete save at ``path``.
+        ChecksumError: the manifest itself is damaged.
+    """
+    directory = resolve(path)
+    manifest = read_manifest(directory)
+    problems: dict[str, str] = {}
+    if verify:
+        for entry in manifest["entries"]:
+            if entry["kind"] not in ARRAY_KINDS:
+                continue
+            piece = Piece(entry, 0, entry["nbytes"], np.empty(entry["nbytes"], np.uint8))
+            try:
+                read_pieces(directory, [piece], manifest["chunk_bytes"], _threads())
+            except ChecksumError as exc:
+                problems[entry["name"]] = str(exc)
+    return Report(directory, manifest, problems, verify)
+
+
+def describe_entry(entry: dict) -> dict[str, str]:
+    """Columns of one entry for listings: name, kind, shape, dtype, aggregation, size."""
+    if entry["kind"] == STATE:
+        states = entry.get("rank_states")
+        detail = f"{len(states)} per-rank states" if states is not None else json.dumps(entry.get("state"))
+        return {"name": entry["name"], "kind": STATE, "shape": "", "dtype": "", "aggregation": "",
+                "size": detail if len(detail) <= 40 else detail[:37] + "..."}
+    return {"name": entry["name"], "kind": entry["kind"], "shape": str(tuple(entry["shape"])),
+            "dtype": str(np.dtype(entry["dtype"])), "aggregation": entry.get("aggregation") or "",
+            "size": _human(entry["nbytes"])}
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def iter_entries(manifest: dict, kinds: Iterable[str] = ARRAY_KINDS) -> list[dict]:
+    return [e for e in manifest["entries"] if e["kind"] in tuple(kinds)]

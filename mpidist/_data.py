@@ -1,0 +1,674 @@
+"""Input pipelines: sharding by (rank, size), distributed datasets, prefetch, multi-step loops.
+
+One rank is one replica, so a dataset is distributed by giving each rank its
+share of every step:
+
+- :func:`distribute_dataset` over any iterable: at step ``s`` rank ``r``
+  receives element ``s * N + r`` (``auto_shard=True``) or every element
+  (``auto_shard=False``). Over an :class:`ArrayDataset` (arrays with a common
+  first dimension and a *global* batch size ``B``) each step's ``B`` rows are
+  split into ``B / N`` rows per rank, shuffled by ``(seed, epoch)`` without
+  communication. Over a :class:`FileDataset` the files are shared out by file
+  when there are at least ``N`` of them, else the elements are.
+- :func:`distribute_datasets_from_function` calls your function with an
+  :class:`InputContext` on every rank and iterates what it returns.
+- :func:`run_steps_on_dataset` runs several steps per call and records
+  their outputs in a :class:`MultiStepContext`.
+
+Every rank runs the same number of steps. When the number is known on every
+rank without communication (``len()`` of the dataset, array datasets), no
+collective is made. Otherwise ranks agree with one small allreduce (MIN of
+the number of steps each rank has ready, a 0-d int64) per *chunk* of steps
+(``steps_per_transfer``, default 1): a few microseconds on one node, one
+network latency across nodes. Elements past the last step that every rank
+has are dropped.
+
+Elements arrive as nests of :class:`~mpidist.PerReplica` holding arrays of
+the strategy's array module (NumPy, or CuPy on the rank's GPU); numbers
+become 0-d arrays, other leaves (strings, ...) are passed as they are. A
+background thread prepares the next ``prefetch`` chunks; on a GPU it also
+starts their copy to the device on a side CUDA stream. The thread never
+talks to other ranks; it runs your iterable's code.
+
+An iterator's position (``get_state()``) is a JSON-serialisable dict. For
+array datasets and element sharding it is global (the number of samples
+consumed in the epoch, whatever the number of ranks), so a checkpoint taken
+at N ranks resumes at M ranks with exactly the samples not yet seen.
+
+The pure functions (:func:`split_range`, :func:`batch_rows`,
+:func:`shard_indices`, :func:`element_index`, :func:`num_steps`,
+:func:`epoch_order`, :func:`choose_shard_policy`, :func:`file_shard`) hold
+all the arithmetic; they depend on their arguments alone. This module never
+calls MPI itself: the one collective goes through the strategy's communicator.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import numbers
+import os
+import queue
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from mpidist._backend import DeviceStager, is_device_array
+from mpidist._nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
+from mpidist._ops import ReduceOp
+from mpidist._values import DistributedValues, PerReplica
+
+if TYPE_CHECKING:
+    from mpidist._strategy import MPIStrategy
+
+__all__ = [
+    "ArrayDataset",
+    "DistributedDataset",
+    "DistributedIterator",
+    "FileDataset",
+    "InputContext",
+    "MultiStepContext",
+    "batch_rows",
+    "choose_shard_policy",
+    "distribute_dataset",
+    "distribute_datasets_from_function",
+    "element_index",
+    "epoch_order",
+    "file_shard",
+    "num_steps",
+    "per_replica_batch_size",
+    "run_steps_on_dataset",
+    "shard_indices",
+    "split_range",
+]
+
+logger = logging.getLogger("mpidist.data")
+
+REMAINDERS = ("drop", "partial", "mask")
+SHARD_POLICIES = ("auto", "file", "element")
+STATE_FORMAT = "mpidist.data/1"
+
+
+# --------------------------------------------------------------------------
+# Chunks of steps, conversion to the backend, prefetch
+# --------------------------------------------------------------------------
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (numbers.Number, np.generic))
+
+
+class _Converter:
+    """Moves leaves to the strategy's backend: ``prepare`` in the producer, ``finish`` in the consumer."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._stager = DeviceStager(backend) if backend.is_gpu else None
+
+    def prepare(self, leaf: Any) -> Any:
+        if self._stager is not None and (isinstance(leaf, np.ndarray) or _is_number(leaf)):
+            return _Staged(self._stager.start(np.ascontiguousarray(leaf)))
+        return leaf
+
+    def finish(self, leaf: Any) -> Any:
+        if isinstance(leaf, _Staged):
+            return self._stager.finish(leaf.token)
+        if _is_number(leaf) and not isinstance(leaf, bool):
+            return self._backend.asarray(leaf)
+        return leaf
+
+
+class _Staged:
+    __slots__ = ("token",)
+
+    def __init__(self, token: Any) -> None:
+        self.token = token
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+def _put(q: "queue.Queue[Any]", item: Any, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
+def _produce(chunks: Iterator[_Chunk], prepare: Callable[[Any], Any], q: "queue.Queue[Any]",
+             stop: threading.Event) -> None:
+    """Prefetch thread: prepare chunks until the source ends, fails, or the consumer stops."""
+    try:
+        for chunk in chunks:
+            if not _put(q, chunk.map_leaves(prepare), stop):
+                return
+        last: Any = _END
+    except BaseException as error:  # handed to the consumer, which re-raises it
+        last = _Failure(error)
+    _put(q, last, stop)
+
+
+class _Prefetcher:
+    """Runs a chunk generator ``depth`` chunks ahead in a thread (``depth=0``: inline). Local."""
+
+    def __init__(self, chunks: Iterator[_Chunk], prepare: Callable[[Any], Any], depth: int) -> None:
+        self._chunks, self._prepare, self._ended = chunks, prepare, False
+        self._thread: Optional[threading.Thread] = None
+        if depth > 0:
+            self._queue: "queue.Queue[Any]" = queue.Queue(depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=_produce, args=(chunks, prepare, self._queue, self._stop),
+                                            name="mpidist-prefetch", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._stop.set)
+
+    def get(self) -> Optional[_Chunk]:
+        """The next chunk, ``None`` at the end; re-raises the source's exception."""
+        if self._ended:
+            return None
+        if self._thread is None:
+            item = next(self._chunks, _END)
+            item = item if item is _END else item.map_leaves(self._prepare)
+        else:
+            item = self._queue.get()
+        if item is _END:
+            self._ended = True
+            return None
+        if isinstance(item, _Failure):
+            self._ended = True
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        self._ended = True
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=1.0)
+
+
+# --------------------------------------------------------------------------
+# Sources: what one rank reads, from a position
+# --------------------------------------------------------------------------
+
+
+def _length_of(data: Any) -> Optional[int]:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def _is_sequence(data: Any) -> bool:
+    return isinstance(data, (collections.abc.Sequence, np.ndarray)) and not isinstance(data, (str, bytes))
+
+
+class _ArraySource:
+    """Rows of an :class:`ArrayDataset`; the position is the global sample offset."""
+
+    kind = "array"
+    global_position = True
+    collective_length = False
+
+    def __init__(self, dataset: ArrayDataset, rank: int, size: int, auto_shard: bool) -> None:
+        self._dataset, self._rank, self._size, self._auto_shard = dataset, rank, size, auto_shard
+        self.seed = dataset.seed
+
+    def length(self, epoch: int, offset: int) -> Optional[int]:
+        return num_steps(self._dataset.num_samples, self._dataset.global_batch_size, offset, self._dataset.remainder)
+
+    def chunks(self, epoch: int, offset: int, steps: int, length: Optional[int], seed: int) -> Iterator[_Chunk]:
+        return self._dataset._chunks(epoch, offset, self._rank, self._size, self._auto_shard, steps, seed)
+
+    def state(self) -> dict[str, Any]:
+        d = self._dataset
+        return {"num_samples": d.num_samples, "global_batch_size": d.global_batch_size,
+                "shuffle": int(d.shuffle), "remainder": d.remainder}
+
+    def check(self, state: dict[str, Any], num_replicas: int) -> None:
+        n = self._dataset.num_samples
+        if state.get("num_samples") != n:
+            raise ValueError(f"rank {self._rank}: the iterator state was saved for {state.get('num_samples')} samples "
+                             f"but this ArrayDataset has {n}; restore it into the same data")
+        if not 0 <= state["offset"] <= n:
+            raise ValueError(f"rank {self._rank}: state offset {state['offset']} is outside 0..{n}")
+
+
+class _StreamSource:
+    """Elements of an iterable, ``group`` per step of which this rank takes the ``pick``-th.
+
+    Element sharding: ``group = N, pick = rank``; no sharding: ``group = 1,
+    pick = 0``. ``global_position`` is false for a rank-local stream (files,
+    ``dataset_fn``), whose position only means something at the same N.
+    """
+
+    seed = 0
+
+    def __init__(self, kind: str, stream: Callable[[int], Iterable[Any]], length: Callable[[], Optional[int]],
+                 group: int, pick: int, rank: int, *, global_position: bool = True,
+                 collective_length: bool = False) -> None:
+        self.kind, self._stream, self._length = kind, stream, length
+        self._group, self._pick, self._rank = group, pick, rank
+        self.global_position, self.collective_length = global_position, collective_length
+
+    def length(self, epoch: int, offset: int) -> Optional[int]:
+        total = self._length()
+        return None if total is None else max(0, total - offset) // self._group
+
+    def chunks(self, epoch: int, offset: int, steps: int, length: Optional[int], seed: int) -> Iterator[_Chunk]:
+        data = self._stream(epoch)
+        if length is not None and _is_sequence(data):
+            elements: Iterator[Any] = (data[offset + s * self._group + self._pick] for s in range(length))
+        else:
+            elements = self._walk(iter(data), offset, length)
+        while True:
+            block = list(itertools.islice(elements, steps))
+            if block:
+                yield _Chunk([self._group] * len(block), elements=block)
+            if len(block) < steps:
+                return
+
+    def _walk(self, it: Iterator[Any], offset: int, length: Optional[int]) -> Iterator[Any]:
+        next(itertools.islice(it, offset, offset), None)  # skip the elements before the position
+        produced = 0
+        while length is None or produced < length:
+            group = list(itertools.islice(it, self._group))
+            if len(group) <= self._pick:
+                if length is not None:
+                    raise RuntimeError(
+                        f"rank {self._rank}: the dataset's len() promised {length} more steps from element "
+                        f"{offset}, but iterating it ended after {produced}; make len() match the iteration, "
+                        "or drop __len__ so that the ranks agree on the end with a collective")
+                return
+            yield group[self._pick]
+            produced += 1
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def check(self, state: dict[str, Any], num_replicas: int) -> None:
+        if not self.global_position and state.get("num_replicas") != num_replicas:
+            raise ValueError(
+                f"rank {self._rank}: this {self.kind!r} iterator position was saved at {state.get('num_replicas')} "
+                f"ranks; a rank-local position only restores at the same number of ranks, not {num_replicas}. "
+                "Use an ArrayDataset or element sharding (shard_policy='element') for positions that restore "
+                "on any number of ranks")
+        if state["offset"] < 0:
+            raise ValueError(f"rank {self._rank}: state offset must be >= 0, got {state['offset']}")
+
+
+def _epoch_stream(data: Any) -> Callable[[int], Iterable[Any]]:
+    """The iterable to read for an epoch: ``set_epoch(epoch)`` is called when ``data`` has it."""
+    def stream(epoch: int) -> Iterable[Any]:
+        if isinstance(data, FileDataset):
+            return data.read(data.epoch_files(epoch))
+        if hasattr(data, "set_epoch"):
+            data.set_epoch(epoch)
+        return data
+
+    return stream
+
+
+def _require_iterable(data: Any, what: str) -> None:
+    try:
+        iter(data)
+    except TypeError:
+        raise TypeError(f"{what} must be iterable (a list, generator, ArrayDataset, FileDataset, ...), "
+                        f"got {type(data).__name__}") from None
+
+
+# --------------------------------------------------------------------------
+# Distributed datasets and iterators
+# --------------------------------------------------------------------------
+
+
+class DistributedDataset:
+    """A dataset whose ``iter()`` gives each rank its share of every step.
+
+    Created by :func:`distribute_dataset` or
+    :func:`distribute_datasets_from_function`. Each ``iter()`` starts the
+    current epoch over (:meth:`set_epoch`). Creating iterators is local;
+    iterating is collective where the number of steps is not known in
+    advance (see the module docstring).
+
+    Attributes:
+        shard_policy: how the data is shared out: ``"batch"`` (array rows of
+            each global batch), ``"element"``, ``"file"``, ``"function"``
+            (your ``dataset_fn``) or ``"off"`` (every rank reads everything).
+        prefetch: chunks prepared ahead in a background thread (0: none).
+        steps_per_transfer: steps gathered and copied to the device together.
+    """
+
+    def __init__(self, strategy: "MPIStrategy", source: Any, *, shard_policy: str, prefetch: int,
+                 steps_per_transfer: int, epoch: int) -> None:
+        self._strategy, self._source = strategy, source
+        self.shard_policy = shard_policy
+        self.prefetch = check_count("prefetch", prefetch)
+        self.steps_per_transfer = check_count("steps_per_transfer", steps_per_transfer, 1)
+        self._epoch = check_count("epoch", epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` reads."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` (its shuffle order) from the next ``iter()`` on. Local; call it on every rank."""
+        self._epoch = check_count("epoch", epoch)
+
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(self)
+
+    def __len__(self) -> int:
+        """Steps of a whole epoch, when every rank knows it without communication."""
+        steps = None if self._source.collective_length else self._source.length(self._epoch, 0)
+        if steps is None:
+            raise TypeError(f"the number of steps of this {self.shard_policy}-sharded dataset is only known by "
+                            "iterating it (its dataset has no len(), or ranks read different data)")
+        return steps
+
+    def iterator_from_state(self, state: dict[str, Any]) -> "DistributedIterator":
+        """A new iterator positioned at ``state`` (from :meth:`DistributedIterator.get_state`). Local."""
+        iterator = iter(self)
+        iterator.set_state(state)
+        return iterator
+
+    def __repr__(self) -> str:
+        return (f"<DistributedDataset {self.shard_policy}-sharded over {self._strategy.num_replicas_in_sync} "
+                f"replicas, epoch {self._epoch}, prefetch {self.prefetch}>")
+
+
+class DistributedIterator:
+    """Iterator over a :class:`DistributedDataset`: each ``next()`` is one step.
+
+    ``next()`` returns this rank's element as a nest of ``PerReplica``. It is
+    collective (one allreduce per chunk of ``steps_per_transfer`` steps) when
+    the number of steps is not known in advance, and for a
+    ``dataset_fn``-built dataset the first ``next()`` agrees on the length
+    (one allreduce); otherwise it is local. Every rank must call it the same
+    number of times.
+    """
+
+    def __init__(self, dataset: DistributedDataset) -> None:
+        self._dataset, self._source, self._strategy = dataset, dataset._source, dataset._strategy
+        self._rank = self._strategy.rank
+        self._epoch, self._offset, self._seed = dataset.epoch, 0, self._source.seed
+        self._pipe: Optional[_Prefetcher] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
+        self._pipe = None
+        self._converter: Optional[_Converter] = None
+        self._ready: collections.deque[tuple[Any, int]] = collections.deque()
+        self._length: Optional[int] = None
+        self._final = False
+
+    # -- position (local) ------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def offset(self) -> int:
+        """Position in the epoch: samples (arrays) or elements consumed over all ranks; steps if rank-local."""
+        return self._offset
+
+    def get_state(self) -> dict[str, Any]:
+        """The position as a JSON-serialisable dict of ints and strings. Local; the same on every rank.
+
+        Keys: ``format``, ``kind``, ``epoch``, ``offset``, ``seed``,
+        ``num_replicas`` and, for array datasets, ``num_samples``,
+        ``global_batch_size``, ``shuffle``, ``remainder``. Steps prefetched
+        but not yet returned by ``next()`` do not count.
+        """
+        state = {"format": STATE_FORMAT, "kind": self._source.kind, "epoch": self._epoch,
+                 "offset": self._offset, "seed": self._seed,
+                 "num_replicas": self._strategy.num_replicas_in_sync}
+        state.update(self._source.state())
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`get_state` dict, possibly from another number of ranks). Local.
+
+        The epoch, offset and shuffle seed are taken from ``state``. Raises
+        ``ValueError`` when the state belongs to another kind of dataset or
+        to different data.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"rank {self._rank}: not an mpidist iterator state (expected a dict with "
+                             f"format {STATE_FORMAT!r}), got {state!r}")
+        if state.get("kind") != self._source.kind:
+            raise ValueError(f"rank {self._rank}: the state is of a {state.get('kind')!r} iterator, but this "
+                             f"iterator reads a {self._source.kind!r} source")
+        for key in ("epoch", "offset", "seed"):
+            check_count(f"state[{key!r}]", state.get(key), -(1 << 62))
+        self._source.check(state, self._strategy.num_replicas_in_sync)
+        self._reset()
+        self._epoch, self._offset = check_count("epoch", state["epoch"]), state["offset"]
+        self._seed = check_count("seed", state["seed"])
+
+    # -- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> "DistributedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if not self._ready:
+            self._refill()
+        element, advance = self._ready.popleft()
+        self._offset += advance
+        rank = self._rank
+        return map_structure(lambda x: PerReplica({rank: x}), element)
+
+    def _refill(self) -> None:
+        if self._pipe is None:
+            self._start()
+        if not self._final:
+            chunk = self._pipe.get()
+            steps = [] if chunk is None else chunk.map_leaves(self._converter.finish).steps()
+            count = len(steps)
+            if self._length is None:
+                count = self._agree(count, "steps ready")
+                self._final = count < self._dataset.steps_per_transfer
+            elif chunk is None:
+                self._final = True
+            self._ready.extend(steps[:count])
+        if not self._ready:
+            self.close()
+            raise StopIteration
+
+    def _start(self) -> None:
+        length = self._source.length(self._epoch, self._offset)
+        if self._source.collective_length:
+            agreed = self._agree(-1 if length is None else length, "dataset length")
+            length = None if agreed < 0 else agreed
+        self._length = length
+        self._converter = _Converter(self._strategy.backend)
+        chunks = self._source.chunks(self._epoch, self._offset, self._dataset.steps_per_transfer, length,
+                                     self._seed)
+        self._pipe = _Prefetcher(chunks, self._converter.prepare, self._dataset.prefetch)
+
+    def _agree(self, count: int, what: str) -> int:
+        """Collective: the minimum of ``count`` over all ranks."""
+        result = self._strategy.communicator.allreduce(np.array(count, dtype=np.int64), ReduceOp.MIN,
+                                                       name=f"data: {what}")
+        return int(result)
+
+    def close(self) -> None:
+        """Stop the prefetch thread. Local; later ``next()`` calls restart from the position."""
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+        self._ready.clear()
+        self._final = False
+
+    def __repr__(self) -> str:
+        return f"<DistributedIterator {self._source.kind} epoch {self._epoch} offset {self._offset}>"
+
+
+def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool = True, *, prefetch: int = 2,
+                       steps_per_transfer: int = 1, shard_policy: str = "auto") -> DistributedDataset:
+    """Distribute ``dataset`` over the strategy's replicas (contract C7). Local.
+
+    - Any iterable: with ``auto_shard`` rank ``r`` receives element
+      ``s * N + r`` at step ``s``; without it every rank receives every
+      element. Sequences (``len`` and indexing) are indexed directly, other
+      iterables are read in full on every rank.
+    - :class:`ArrayDataset`: each step's ``global_batch_size`` rows are
+      split, ``global_batch_size / N`` per rank (``ValueError`` unless
+      divisible); without ``auto_shard`` every rank reads the whole batch.
+    - :class:`FileDataset`: by file (rank ``r`` reads files ``r, r + N, ...``)
+      when there are at least ``N`` files, else by element;
+      ``shard_policy`` (``"auto"``, ``"file"``, ``"element"``) forces one.
+      The choice is in ``.shard_policy`` and logged once, at INFO level on
+      rank 0, to the ``mpidist.data`` logger.
+
+    Args:
+        prefetch: chunks prepared ahead in a background thread (0: prepare
+            each step when ``next()`` asks for it).
+        steps_per_transfer: steps gathered, copied to the device and agreed
+            on together (pass ``iterations`` of :func:`run_steps_on_dataset`).
+
+    Every rank must pass the same dataset. Each ``iter()`` of the result
+    starts over.
+    """
+    rank, size = strategy.rank, strategy.num_replicas_in_sync
+    choose_shard_policy(size, size, shard_policy)  # validates the name
+    if isinstance(dataset, ArrayDataset):
+        if auto_shard:
+            per_replica_batch_size(dataset.global_batch_size, size, rank)
+        source: Any = _ArraySource(dataset, rank, size, auto_shard)
+        policy = "batch" if auto_shard else "off"
+    else:
+        _require_iterable(dataset, "distribute_dataset: dataset")
+        policy = "element" if auto_shard else "off"
+        if isinstance(dataset, FileDataset) and auto_shard:
+            policy = choose_shard_policy(len(dataset.files), size, shard_policy)
+            if rank == 0:
+                logger.info("mpidist: %d files over %d ranks: sharding by %s%s", len(dataset.files), size, policy,
+                            "" if policy == "file" else " (fewer files than ranks: every rank reads every file)")
+        elif shard_policy != "auto" and auto_shard:
+            raise ValueError(f"shard_policy={shard_policy!r} applies to a FileDataset; got a "
+                             f"{type(dataset).__name__}, which is sharded by element")
+        if policy == "file":
+            files = dataset
+            source = _StreamSource(
+                "files", lambda e: files.read([files.epoch_files(e)[i] for i in file_shard(len(files.files), rank, size)]),
+                lambda: None, 1, 0, rank, global_position=False)
+        else:
+            group, pick = (size, rank) if auto_shard else (1, 0)
+            source = _StreamSource("elements", _epoch_stream(dataset), lambda: _length_of(dataset), group, pick, rank)
+    return DistributedDataset(strategy, source, shard_policy=policy, prefetch=prefetch,
+                              steps_per_transfer=steps_per_transfer, epoch=getattr(dataset, "epoch", 0))
+
+
+def distribute_datasets_from_function(strategy: "MPIStrategy", dataset_fn: Callable[[InputContext], Any], *,
+                                      prefetch: int = 2, steps_per_transfer: int = 1) -> DistributedDataset:
+    """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns (contract C7).
+
+    The call is local, made once, here. Each step every rank takes the next
+    element of its own iterable; iterating is collective: the first ``next()``
+    of each iterator agrees on the length (MIN over ranks, one allreduce),
+    and when some rank's iterable has no ``len()`` every chunk of steps is
+    agreed on. An iterable that is its own iterator (a generator) is read
+    only once; return a re-iterable object (a list, an :class:`ArrayDataset`)
+    to iterate several epochs. ``set_epoch`` reaches the iterable's own
+    ``set_epoch``, if it has one.
+    """
+    size, rank = strategy.num_replicas_in_sync, strategy.rank
+    data = dataset_fn(InputContext(size, rank, size))
+    _require_iterable(data, f"rank {rank}: the value returned by dataset_fn")
+    source = _StreamSource("function", _epoch_stream(data), lambda: _length_of(data), 1, 0, rank,
+                           global_position=False, collective_length=True)
+    return DistributedDataset(strategy, source, shard_policy="function", prefetch=prefetch,
+                              steps_per_transfer=steps_per_transfer, epoch=getattr(data, "epoch", 0))
+
+
+# --------------------------------------------------------------------------
+# Multi-step loops
+# --------------------------------------------------------------------------
+
+
+class MultiStepContext:
+    """Outputs of the steps run by one :func:`run_steps_on_dataset` call.
+
+    Inside the step function (replica context, local):
+    :meth:`set_last_step_output` and :meth:`set_non_tensor_output`. After
+    the call: ``last_step_outputs[name]`` holds the value last recorded under
+    ``name``, reduced across replicas with its ``reduce_op`` (a plain array,
+    identical on every rank) or, without one, a nest of ``PerReplica``;
+    ``non_tensor_outputs`` holds what was recorded as it is (this rank's);
+    ``steps_run`` counts the steps run (fewer than ``iterations`` when the
+    data ran out: the same number on every rank).
+    """
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, tuple[Any, Optional[ReduceOp]]] = {}
+        self.last_step_outputs: dict[str, Any] = {}
+        self.non_tensor_outputs: dict[str, Any] = {}
+        self.steps_run = 0
+
+    def set_last_step_output(self, name: str, output: Any, reduce_op: Union[ReduceOp, str, None] = None) -> None:
+        """Record ``output`` (a nest of arrays or numbers) under ``name``. Local.
+
+        Every rank must record the same names: they are reduced together
+        after the last step.
+        """
+        local = map_structure(lambda x: x.get() if isinstance(x, DistributedValues) else x, output)
+        self._outputs[name] = (local, None if reduce_op is None else ReduceOp.of(reduce_op))
+
+    def set_non_tensor_output(self, name: str, output: Any) -> None:
+        """Record any object under ``name`` in ``non_tensor_outputs``, unreduced. Local."""
+        self.non_tensor_outputs[name] = output
+
+    def _collect(self, strategy: "MPIStrategy") -> None:
+        """Collective when any output has a reduce op: reduce the outputs in name order."""
+        rank = strategy.rank
+        for name in sorted(self._outputs):
+            value, op = self._outputs[name]
+            self.last_step_outputs[name] = (map_structure(lambda x: PerReplica({rank: x}), value) if op is None
+                                            else strategy.reduce(op, value))
+
+    def __repr__(self) -> str:
+        return (f"<MultiStepContext steps_run={self.steps_run} last_step_outputs={sorted(self._outputs)} "
+                f"non_tensor_outputs={sorted(self.non_tensor_outputs)}>")
+
+
+def run_steps_on_dataset(strategy: "MPIStrategy", fn: Callable[[MultiStepContext, Any], Any],
+                         iterator: Iterator[Any], iterations: int) -> MultiStepContext:
+    """Run ``fn(ctx, inputs)`` in replica context for up to ``iterations`` steps (contract C7).
+
+    ``inputs`` is the next element of ``iterator`` with ``PerReplica`` values
+    unwrapped, as in ``strategy.run``. Stops early, on every rank alike, when
+    the iterator is exhausted. Returns the :class:`MultiStepContext` ``ctx``.
+    Collective: as collective as ``fn`` and ``next(iterator)``, plus one
+    reduction per output recorded with a ``reduce_op``. To fetch the batches
+    of all ``iterations`` steps in one transfer, distribute the dataset with
+    ``steps_per_transfer=iterations``.
+    """
+    iterations = check_count("iterations", iterations, 1)
+    if isinstance(iterator, DistributedDataset) or not hasattr(iterator, "__next__"):
+        raise TypeError(f"run_steps_on_dataset needs an iterator, got {type(iterator).__name__}; pass "
+                        "iter(distributed_dataset) and reuse it across calls")
+    ctx = MultiStepContext()
+    for _ in range(iterations):
+        try:
+            inputs = next(iterator)
+        except StopIteration:
+            break
+        strategy.run(fn, args=(ctx, inputs))
+        ctx.steps_run += 1
+    ctx._collect(strategy)
+    return ctx

@@ -1,0 +1,281 @@
+"""Datasets that know nothing of MPI: arrays read in global batches, files, the input context.
+
+:class:`ArrayDataset` and :class:`FileDataset` iterate serially (one
+replica) on their own; :func:`mpidist._data.distribute_dataset` shares them
+out over the ranks with the arithmetic of :mod:`mpidist._sharding`.
+:class:`InputContext` is what a ``dataset_fn`` learns about its rank.
+Everything here is local.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from mpidist._backend import is_device_array
+from mpidist._nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
+from mpidist._sharding import (
+    batch_rows,
+    check_count,
+    check_remainder,
+    epoch_order,
+    num_steps,
+    per_replica_batch_size,
+)
+from mpidist._sharding import _rank_of
+
+__all__ = ["ArrayDataset", "FileDataset", "InputContext"]
+
+
+class InputContext:
+    """What ``dataset_fn`` of :func:`distribute_datasets_from_function` learns about its rank. Local."""
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1) -> None:
+        _rank_of(input_pipeline_id, num_input_pipelines)
+        self._num_input_pipelines = num_input_pipelines
+        self._input_pipeline_id = input_pipeline_id
+        self._num_replicas_in_sync = check_count("num_replicas_in_sync", num_replicas_in_sync, 1)
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """Number of input pipelines: one per rank."""
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """This pipeline's id: the rank."""
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas taking part in each step."""
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size / num_replicas_in_sync``; ``ValueError`` unless divisible."""
+        return per_replica_batch_size(global_batch_size, self._num_replicas_in_sync, self._input_pipeline_id)
+
+    def shard(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """This pipeline's elements of ``iterable``: ``id, id + n, id + 2n, ...``."""
+        return itertools.islice(iterable, self._input_pipeline_id, None, self._num_input_pipelines)
+
+    def __repr__(self) -> str:
+        return (f"InputContext(num_input_pipelines={self._num_input_pipelines}, input_pipeline_id="
+                f"{self._input_pipeline_id}, num_replicas_in_sync={self._num_replicas_in_sync})")
+
+
+class ArrayDataset:
+    """Arrays with a common first dimension, read in global batches of ``global_batch_size`` rows.
+
+    Iterating it directly gives the batches of one replica (serial use).
+    :func:`distribute_dataset` splits each global batch over the ranks.
+
+    Args:
+        arrays: an array or a nest (tuple, list, dict) of NumPy or CuPy arrays
+            with the same length along axis 0.
+        global_batch_size: samples per step, over all replicas.
+        shuffle: visit the samples in :func:`epoch_order` ``(seed, epoch)``.
+        seed: non-negative int; every rank must pass the same.
+        epoch: the epoch that the next ``iter()`` reads; see :meth:`set_epoch`.
+        remainder: what to do with the last ``num_samples % global_batch_size``
+            samples: ``"drop"`` them (training), read them as a ``"partial"``
+            (smaller) last batch, or pad that batch to full size and yield
+            ``(batch, mask)`` for every step, ``mask`` a bool array (``False``
+            on padding rows). With ``"partial"`` or ``"mask"`` every sample is
+            read exactly once per epoch.
+
+    Unshuffled batches may be read-only views of your arrays.
+    """
+
+    def __init__(self, arrays: Any, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
+                 epoch: int = 0, remainder: str = "drop") -> None:
+        leaves = flatten(arrays)
+        paths: list[tuple[str, int]] = []
+
+        def length(path: str, leaf: Any) -> None:
+            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or len(leaf.shape) == 0:
+                raise TypeError(f"ArrayDataset: {path or 'the array'} must be an array with at least one "
+                                f"dimension, got {type(leaf).__name__}; wrap lists with numpy.asarray")
+            paths.append((path or "the array", int(leaf.shape[0])))
+
+        map_structure_with_path(length, arrays)
+        if len({n for _, n in paths}) > 1:
+            listed = ", ".join(f"{p}: {n}" for p, n in paths)
+            raise ValueError(f"ArrayDataset: the arrays must have the same length along axis 0, got {listed}")
+        check_remainder(remainder)
+        self._arrays = arrays
+        self._leaves = leaves
+        self._n = paths[0][1]
+        self.global_batch_size = check_count("global_batch_size", global_batch_size, 1)
+        self.shuffle = bool(shuffle)
+        self.seed = check_count("seed", seed)
+        self.epoch = check_count("epoch", epoch)
+        self.remainder = remainder
+
+    @property
+    def num_samples(self) -> int:
+        return self._n
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` (its shuffle order) from the next ``iter()`` on. Local."""
+        self.epoch = check_count("epoch", epoch)
+
+    def __len__(self) -> int:
+        """Steps per epoch at one replica."""
+        return num_steps(self._n, self.global_batch_size, 0, self.remainder)
+
+    def __iter__(self) -> Iterator[Any]:
+        for chunk in self._chunks(self.epoch, 0, 0, 1, True, 1, self.seed):
+            for element, _ in chunk.steps():
+                yield element
+
+    def __repr__(self) -> str:
+        return (f"ArrayDataset({self._n} samples, global_batch_size={self.global_batch_size}, "
+                f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, remainder={self.remainder!r})")
+
+    def _chunks(self, epoch: int, offset: int, rank: int, size: int, auto_shard: bool, steps: int,
+                seed: int) -> Iterator["_Chunk"]:
+        """Rank's batches from global sample ``offset`` on, ``steps`` per chunk (one gather per leaf)."""
+        n, batch = self._n, self.global_batch_size
+        order = epoch_order(n, epoch, seed) if self.shuffle else None
+        width = (batch // size if auto_shard else batch) if self.remainder == "mask" else None
+        while num_steps(n, batch, offset, self.remainder):
+            ranges, advances = [], []
+            while len(ranges) < steps and num_steps(n, batch, offset, self.remainder):
+                ranges.append(batch_rows(offset, n, batch, rank, size, auto_shard))
+                advances.append(min(batch, n - offset))
+                offset += advances[-1]
+            yield self._gather(order, ranges, advances, width)
+
+    def _gather(self, order: Optional[np.ndarray], ranges: list[tuple[int, int]], advances: list[int],
+                width: Optional[int]) -> "_Chunk":
+        contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        if order is None and width is None and contiguous:
+            lo, hi = ranges[0][0], ranges[-1][1]
+            leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
+            bounds = list(itertools.accumulate([0] + [b - a for a, b in ranges]))
+            return _Chunk(advances, structure=self._arrays, leaves=leaves,
+                          bounds=list(zip(bounds, bounds[1:])))
+        pieces, masks, bounds, start = [], [], [], 0
+        for lo, hi in ranges:
+            rows = hi - lo
+            pad = 0 if width is None else width - rows
+            pieces.append(np.arange(lo, hi))
+            if pad:
+                pieces.append(np.arange(pad) % self._n)
+                masks.append(np.arange(width) < rows)
+            elif width is not None:
+                masks.append(np.ones(rows, dtype=bool))
+            bounds.append((start, start + rows + pad))
+            start += rows + pad
+        index = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        if order is not None:
+            index = order[index]
+        leaves = [_take(leaf, index) for leaf in self._leaves]
+        if width is None:
+            return _Chunk(advances, structure=self._arrays, leaves=leaves, bounds=bounds)
+        return _Chunk(advances, structure=(self._arrays, None), leaves=leaves + [np.concatenate(masks)],
+                      bounds=bounds)
+
+
+def _read_only(view: Any) -> Any:
+    if isinstance(view, np.ndarray):
+        view = view.view()
+        view.flags.writeable = False
+    return view
+
+
+def _take(leaf: Any, index: np.ndarray) -> Any:
+    """Rows ``index`` of ``leaf`` (a NumPy or CuPy array) as a new contiguous array."""
+    if is_device_array(leaf):
+        import cupy
+
+        return leaf[cupy.asarray(index)]
+    return leaf[index]
+
+
+class FileDataset:
+    """Elements read from a list of files: ``reader(path)`` yields the elements of one file.
+
+    Iterating it directly reads every file in the epoch's order (serial use).
+    :func:`distribute_dataset` shares the files out by file when there are
+    at least as many files as ranks, else by element (``shard_policy``).
+
+    Args:
+        files: paths (str or ``os.PathLike``).
+        reader: called with one path, returns an iterable of elements.
+        shuffle: visit the files in :func:`epoch_order` ``(seed, epoch)``.
+        seed: non-negative int, the same on every rank.
+        epoch: the epoch the next ``iter()`` reads; see :meth:`set_epoch`.
+    """
+
+    def __init__(self, files: Sequence[Union[str, "os.PathLike[str]"]], reader: Callable[[str], Iterable[Any]], *,
+                 shuffle: bool = False, seed: int = 0, epoch: int = 0) -> None:
+        if isinstance(files, (str, bytes, os.PathLike)):
+            raise TypeError(f"FileDataset needs a list of paths, got the single path {files!r}: pass [path]")
+        self.files = [os.fspath(f) for f in files]
+        if not callable(reader):
+            raise TypeError(f"FileDataset: reader must be callable (path -> iterable), got {type(reader).__name__}")
+        self.reader = reader
+        self.shuffle = bool(shuffle)
+        self.seed = check_count("seed", seed)
+        self.epoch = check_count("epoch", epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` (its file order) from the next ``iter()`` on. Local."""
+        self.epoch = check_count("epoch", epoch)
+
+    def epoch_files(self, epoch: Optional[int] = None) -> list[str]:
+        """The files in the order epoch ``epoch`` (default: the current one) reads them."""
+        order = epoch_order(len(self.files), self.epoch if epoch is None else epoch, self.seed, self.shuffle)
+        return [self.files[i] for i in order]
+
+    def read(self, files: Iterable[str]) -> Iterator[Any]:
+        """The elements of ``files``, file after file."""
+        for path in files:
+            yield from self.reader(path)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.read(self.epoch_files())
+
+    def __repr__(self) -> str:
+        return f"FileDataset({len(self.files)} files, shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch})"
+
+
+
+class _Chunk:
+    """Several consecutive steps of one rank's input, each with its global ``advance``.
+
+    Either ``elements`` (one nest per step), or an array batch: ``leaves``
+    holding the rows of all steps, step ``i`` being rows ``bounds[i]``.
+    """
+
+    __slots__ = ("advances", "elements", "structure", "leaves", "bounds")
+
+    def __init__(self, advances: list[int], *, elements: Optional[list[Any]] = None, structure: Any = None,
+                 leaves: Optional[list[Any]] = None, bounds: Optional[list[tuple[int, int]]] = None) -> None:
+        self.advances = advances
+        self.elements = elements
+        self.structure = structure
+        self.leaves = leaves
+        self.bounds = bounds
+
+    def __len__(self) -> int:
+        return len(self.advances)
+
+    def map_leaves(self, fn: Callable[[Any], Any]) -> "_Chunk":
+        if self.elements is not None:
+            return _Chunk(self.advances, elements=[map_structure(fn, e) for e in self.elements])
+        return _Chunk(self.advances, structure=self.structure, leaves=[fn(x) for x in self.leaves],
+                      bounds=self.bounds)
+
+    def steps(self) -> list[tuple[Any, int]]:
+        if self.elements is not None:
+            return list(zip(self.elements, self.advances))
+        if len(self.bounds) == 1 and self.bounds[0] == (0, len(self.leaves[0])):
+            return [(pack_sequence_as(self.structure, self.leaves), self.advances[0])]
+        return [(pack_sequence_as(self.structure, [x[a:b] for x in self.leaves]), adv)
+                for (a, b), adv in zip(self.bounds, self.advances)]

@@ -1,0 +1,163 @@
+"""Sharding arithmetic: which samples, elements and files each rank reads, as pure functions.
+
+Everything here depends on its arguments alone, ``(num_samples, rank, size,
+...)``: no MPI, no state, the same answer on every rank. The input pipeline
+(:mod:`mpidist._data`) is built on these functions, and they are tested
+serially over many ``(rank, size)`` pairs.
+
+Vocabulary: an epoch visits the samples in an *order* (:func:`epoch_order`);
+a *position* is an index into that order; the *offset* is the number of
+positions consumed so far, over all ranks, so it means the same at any
+number of ranks.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = [
+    "REMAINDERS",
+    "SHARD_POLICIES",
+    "batch_rows",
+    "check_count",
+    "check_remainder",
+    "choose_shard_policy",
+    "element_index",
+    "epoch_order",
+    "file_shard",
+    "num_steps",
+    "per_replica_batch_size",
+    "shard_indices",
+    "split_range",
+]
+
+REMAINDERS = ("drop", "partial", "mask")
+SHARD_POLICIES = ("auto", "file", "element")
+
+
+def check_count(name: str, value: Any, minimum: int = 0) -> int:
+    """``value`` as an ``int`` >= ``minimum``, or a ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _rank_of(rank: int, size: int) -> None:
+    check_count("size", size, 1)
+    if not 0 <= check_count("rank", rank) < size:
+        raise ValueError(f"rank {rank} is not a rank of {size} (expected 0 <= rank < {size})")
+
+
+def split_range(count: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank's contiguous share ``[lo, hi)`` of ``count`` items: as even as possible, lower ranks first."""
+    _rank_of(rank, size)
+    base, extra = divmod(check_count("count", count), size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def per_replica_batch_size(global_batch_size: int, num_replicas: int, rank: Optional[int] = None) -> int:
+    """``global_batch_size / num_replicas``; ``ValueError`` (naming both) unless it divides evenly."""
+    batch = check_count("global_batch_size", global_batch_size, 1)
+    replicas = check_count("num_replicas", num_replicas, 1)
+    if batch % replicas:
+        where = "" if rank is None else f"rank {rank}: "
+        lower, upper = batch - batch % replicas, batch + replicas - batch % replicas
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(f"{where}global batch size {batch} is not divisible by the {replicas} replicas; "
+                         f"use a multiple of {replicas} (e.g. {hint})")
+    return batch // replicas
+
+
+def num_steps(num_samples: int, global_batch_size: int, offset: int = 0, remainder: str = "drop") -> int:
+    """Steps left in an epoch of ``num_samples`` read in global batches from sample ``offset``.
+
+    ``remainder="drop"`` counts full batches only; ``"partial"`` and ``"mask"``
+    count a last, smaller batch too.
+    """
+    check_remainder(remainder)
+    left = max(0, check_count("num_samples", num_samples) - check_count("offset", offset))
+    batch = check_count("global_batch_size", global_batch_size, 1)
+    return left // batch if remainder == "drop" else -(-left // batch)
+
+
+def batch_rows(offset: int, num_samples: int, global_batch_size: int, rank: int, size: int,
+               auto_shard: bool = True) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` (in the epoch's sample order) rank reads at the step starting at ``offset``.
+
+    The step holds ``min(B, num_samples - offset)`` samples; with
+    ``auto_shard`` they are split by :func:`split_range` (``B / N`` each for
+    a full batch), without it every rank reads all of them.
+    """
+    _rank_of(rank, size)
+    count = max(0, min(check_count("global_batch_size", global_batch_size, 1), num_samples - offset))
+    if not auto_shard:
+        return offset, offset + count
+    lo, hi = split_range(count, rank, size)
+    return offset + lo, offset + hi
+
+
+def shard_indices(num_samples: int, rank: int, size: int, global_batch_size: Optional[int] = None, *,
+                  offset: int = 0, remainder: str = "drop", auto_shard: bool = True) -> list[range]:
+    """For each step of an epoch (from global sample ``offset``), the positions rank reads.
+
+    ``global_batch_size`` defaults to ``size`` (one sample per rank and step).
+    The ranges of all ranks of one step are disjoint and, over all steps,
+    cover positions ``offset .. num_samples - 1`` exactly once (minus the
+    dropped remainder with ``remainder="drop"``).
+    """
+    batch = size if global_batch_size is None else global_batch_size
+    out = []
+    for _ in range(num_steps(num_samples, batch, offset, remainder)):
+        lo, hi = batch_rows(offset, num_samples, batch, rank, size, auto_shard)
+        out.append(range(lo, hi))
+        offset += min(batch, num_samples - offset)
+    return out
+
+
+def element_index(step: int, rank: int, size: int, offset: int = 0, auto_shard: bool = True) -> int:
+    """Index of the element rank receives at ``step`` of an element-sharded iterable started at ``offset``."""
+    _rank_of(rank, size)
+    return offset + (step * size + rank if auto_shard else step)
+
+
+def epoch_order(num_samples: int, epoch: int = 0, seed: int = 0, shuffle: bool = True) -> np.ndarray:
+    """The order in which an epoch visits the samples: the same on every rank, without communication.
+
+    A permutation drawn from ``numpy.random.default_rng([seed, epoch])`` when
+    ``shuffle``, else ``arange(num_samples)``.
+    """
+    n = check_count("num_samples", num_samples)
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([check_count("seed", seed), check_count("epoch", epoch)]).permutation(n)
+
+
+def choose_shard_policy(num_files: int, size: int, policy: str = "auto") -> str:
+    """``"file"`` or ``"element"``: how ``num_files`` files are shared out over ``size`` ranks.
+
+    ``"auto"`` picks ``"file"`` when every rank gets at least one file.
+    """
+    if policy not in SHARD_POLICIES:
+        raise ValueError(f"shard_policy must be one of {', '.join(SHARD_POLICIES)}, got {policy!r}")
+    if policy == "auto":
+        return "file" if num_files >= size else "element"
+    if policy == "file" and num_files < size:
+        raise ValueError(f"shard_policy='file' needs at least one file per rank: {num_files} files for {size} "
+                         "ranks; use shard_policy='element' (or 'auto'), or split the data into more files")
+    return policy
+
+
+def file_shard(num_files: int, rank: int, size: int) -> list[int]:
+    """Indices of the files rank reads when sharding by file: ``rank, rank + size, ...``."""
+    _rank_of(rank, size)
+    return list(range(rank, check_count("num_files", num_files), size))
+
+
+def check_remainder(remainder: str) -> None:
+    if remainder not in REMAINDERS:
+        raise ValueError(f"remainder must be one of {', '.join(REMAINDERS)}, got {remainder!r}")
