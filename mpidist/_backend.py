@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Backend", "DeviceStager", "array_module", "contiguous", "cupy_or_none", "is_device_array", "to_host"]
+__all__ = ["Backend", "DeviceStager", "array_module", "contiguous", "cupy_or_none", "data_pointer", "is_device_array",
+           "to_host"]
 
 
 def cupy_or_none() -> Optional[ModuleType]:
@@ -35,6 +36,13 @@ def cupy_or_none() -> Optional[ModuleType]:
 def is_device_array(array: Any) -> bool:
     """True for arrays in GPU memory (anything exposing ``__cuda_array_interface__``)."""
     return hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray)
+
+
+def data_pointer(array: Any) -> int:
+    """The address of ``array``'s first element, in host or device memory."""
+    if is_device_array(array):
+        return int(array.data.ptr)
+    return int(array.__array_interface__["data"][0])
 
 
 def to_host(array: Any) -> np.ndarray:

@@ -17,16 +17,16 @@ import numpy as np
 from mpidist._backend import is_device_array
 from mpidist._nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
 from mpidist._sharding import (
-    batch_rows,
+    batch_plan,
     check_count,
+    check_rank,
     check_remainder,
     epoch_order,
     num_steps,
     per_replica_batch_size,
 )
-from mpidist._sharding import _rank_of
 
-__all__ = ["ArrayDataset", "FileDataset", "InputContext"]
+__all__ = ["ArrayDataset", "Chunk", "FileDataset", "InputContext"]
 
 
 class InputContext:
@@ -34,7 +34,7 @@ class InputContext:
 
     def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
                  num_replicas_in_sync: int = 1) -> None:
-        _rank_of(input_pipeline_id, num_input_pipelines)
+        check_rank(input_pipeline_id, num_input_pipelines)
         self._num_input_pipelines = num_input_pipelines
         self._input_pipeline_id = input_pipeline_id
         self._num_replicas_in_sync = check_count("num_replicas_in_sync", num_replicas_in_sync, 1)
@@ -108,6 +108,9 @@ class ArrayDataset:
         check_remainder(remainder)
         self._arrays = arrays
         self._leaves = leaves
+        pack = _packer(arrays)
+        self._pack = pack
+        self._pack_masked = lambda leaves: (pack(leaves[:-1]), leaves[-1])
         self._n = paths[0][1]
         self.global_batch_size = check_count("global_batch_size", global_batch_size, 1)
         self.shuffle = bool(shuffle)
@@ -117,6 +120,7 @@ class ArrayDataset:
 
     @property
     def num_samples(self) -> int:
+        """Length of the arrays along axis 0."""
         return self._n
 
     def set_epoch(self, epoch: int) -> None:
@@ -137,60 +141,82 @@ class ArrayDataset:
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, remainder={self.remainder!r})")
 
     def _chunks(self, epoch: int, offset: int, rank: int, size: int, auto_shard: bool, steps: int,
-                seed: int) -> Iterator["_Chunk"]:
+                seed: int) -> Iterator["Chunk"]:
         """Rank's batches from global sample ``offset`` on, ``steps`` per chunk (one gather per leaf)."""
         n, batch = self._n, self.global_batch_size
         order = epoch_order(n, epoch, seed) if self.shuffle else None
         width = (batch // size if auto_shard else batch) if self.remainder == "mask" else None
-        while num_steps(n, batch, offset, self.remainder):
-            ranges, advances = [], []
-            while len(ranges) < steps and num_steps(n, batch, offset, self.remainder):
-                ranges.append(batch_rows(offset, n, batch, rank, size, auto_shard))
-                advances.append(min(batch, n - offset))
-                offset += advances[-1]
-            yield self._gather(order, ranges, advances, width)
+        plan = batch_plan(n, batch, rank, size, offset=offset, remainder=self.remainder, auto_shard=auto_shard)
+        while True:
+            block = [step for step in itertools.islice(plan, steps)] if steps > 1 else [next(plan, None)]
+            if not block or block[0] is None:
+                return
+            yield self._gather(order, block, width)
 
-    def _gather(self, order: Optional[np.ndarray], ranges: list[tuple[int, int]], advances: list[int],
-                width: Optional[int]) -> "_Chunk":
-        contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        if order is None and width is None and contiguous:
-            lo, hi = ranges[0][0], ranges[-1][1]
-            leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
-            bounds = list(itertools.accumulate([0] + [b - a for a, b in ranges]))
-            return _Chunk(advances, structure=self._arrays, leaves=leaves,
-                          bounds=list(zip(bounds, bounds[1:])))
+    def _gather(self, order: Optional[np.ndarray], block: list[tuple[int, int, int]],
+                width: Optional[int]) -> "Chunk":
+        """One array per leaf holding the rows of every step of ``block`` (``(lo, hi, advance)`` each)."""
+        if width is None and len(block) == 1:  # the common case, kept short
+            lo, hi, advance = block[0]
+            if order is None:
+                leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
+            else:
+                index = order[lo:hi]
+                leaves = [_take(leaf, index) for leaf in self._leaves]
+            return Chunk([advance], pack=self._pack, leaves=leaves, bounds=[(0, hi - lo)])
+        advances = [advance for _, _, advance in block]
+        if width is None and (len(block) == 1 or all(a[1] == b[0] for a, b in zip(block, block[1:]))):
+            lo, hi = block[0][0], block[-1][1]  # one run of positions
+            if order is None:
+                leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
+            else:
+                leaves = [_take(leaf, order[lo:hi]) for leaf in self._leaves]
+            edges = list(itertools.accumulate([0] + [b - a for a, b, _ in block]))
+            return Chunk(advances, pack=self._pack, leaves=leaves, bounds=list(zip(edges, edges[1:])))
         pieces, masks, bounds, start = [], [], [], 0
-        for lo, hi in ranges:
+        for lo, hi, _ in block:
             rows = hi - lo
             pad = 0 if width is None else width - rows
             pieces.append(np.arange(lo, hi))
             if pad:
                 pieces.append(np.arange(pad) % self._n)
+            if width is not None:
                 masks.append(np.arange(width) < rows)
-            elif width is not None:
-                masks.append(np.ones(rows, dtype=bool))
             bounds.append((start, start + rows + pad))
             start += rows + pad
-        index = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        index = np.concatenate(pieces)
         if order is not None:
             index = order[index]
         leaves = [_take(leaf, index) for leaf in self._leaves]
         if width is None:
-            return _Chunk(advances, structure=self._arrays, leaves=leaves, bounds=bounds)
-        return _Chunk(advances, structure=(self._arrays, None), leaves=leaves + [np.concatenate(masks)],
-                      bounds=bounds)
+            return Chunk(advances, pack=self._pack, leaves=leaves, bounds=bounds)
+        return Chunk(advances, pack=self._pack_masked, leaves=leaves + [np.concatenate(masks)], bounds=bounds)
+
+
+def _packer(structure: Any) -> Callable[[Sequence[Any]], Any]:
+    """A fast ``pack_sequence_as(structure, leaves)`` for flat structures (a leaf, tuple, list, dict)."""
+    if not isinstance(structure, (list, tuple, dict)):
+        return lambda leaves: leaves[0]
+    children = structure.values() if isinstance(structure, dict) else structure
+    if any(isinstance(c, (list, tuple, dict)) for c in children) or type(structure) not in (tuple, list, dict):
+        return lambda leaves: pack_sequence_as(structure, leaves)
+    if isinstance(structure, dict):
+        slots = pack_sequence_as(structure, range(len(structure)))  # key -> its position among the leaves
+        return lambda leaves: {key: leaves[i] for key, i in slots.items()}
+    kind = type(structure)
+    return lambda leaves: kind(leaves)
 
 
 def _read_only(view: Any) -> Any:
-    if isinstance(view, np.ndarray):
-        view = view.view()
+    """``view`` (a fresh view of the user's array) made read-only where NumPy allows it."""
+    if type(view) is np.ndarray:
         view.flags.writeable = False
     return view
 
 
 def _take(leaf: Any, index: np.ndarray) -> Any:
     """Rows ``index`` of ``leaf`` (a NumPy or CuPy array) as a new contiguous array."""
-    if is_device_array(leaf):
+    if type(leaf) is not np.ndarray and is_device_array(leaf):
         import cupy
 
         return leaf[cupy.asarray(index)]
@@ -246,36 +272,36 @@ class FileDataset:
 
 
 
-class _Chunk:
+class Chunk:
     """Several consecutive steps of one rank's input, each with its global ``advance``.
 
     Either ``elements`` (one nest per step), or an array batch: ``leaves``
-    holding the rows of all steps, step ``i`` being rows ``bounds[i]``.
+    holding the rows of all steps, step ``i`` being rows ``bounds[i]``,
+    turned into the dataset's structure by ``pack``.
     """
 
-    __slots__ = ("advances", "elements", "structure", "leaves", "bounds")
+    __slots__ = ("advances", "elements", "pack", "leaves", "bounds")
 
-    def __init__(self, advances: list[int], *, elements: Optional[list[Any]] = None, structure: Any = None,
-                 leaves: Optional[list[Any]] = None, bounds: Optional[list[tuple[int, int]]] = None) -> None:
+    def __init__(self, advances: list[int], *, elements: Optional[list[Any]] = None,
+                 pack: Optional[Callable[[Sequence[Any]], Any]] = None, leaves: Optional[list[Any]] = None,
+                 bounds: Optional[list[tuple[int, int]]] = None) -> None:
         self.advances = advances
         self.elements = elements
-        self.structure = structure
+        self.pack = pack
         self.leaves = leaves
         self.bounds = bounds
 
     def __len__(self) -> int:
         return len(self.advances)
 
-    def map_leaves(self, fn: Callable[[Any], Any]) -> "_Chunk":
+    def map_leaves(self, fn: Callable[[Any], Any]) -> "Chunk":
         if self.elements is not None:
-            return _Chunk(self.advances, elements=[map_structure(fn, e) for e in self.elements])
-        return _Chunk(self.advances, structure=self.structure, leaves=[fn(x) for x in self.leaves],
-                      bounds=self.bounds)
+            return Chunk(self.advances, elements=[map_structure(fn, e) for e in self.elements])
+        return Chunk(self.advances, pack=self.pack, leaves=[fn(x) for x in self.leaves], bounds=self.bounds)
 
     def steps(self) -> list[tuple[Any, int]]:
         if self.elements is not None:
             return list(zip(self.elements, self.advances))
-        if len(self.bounds) == 1 and self.bounds[0] == (0, len(self.leaves[0])):
-            return [(pack_sequence_as(self.structure, self.leaves), self.advances[0])]
-        return [(pack_sequence_as(self.structure, [x[a:b] for x in self.leaves]), adv)
-                for (a, b), adv in zip(self.bounds, self.advances)]
+        if len(self.bounds) == 1:
+            return [(self.pack(self.leaves), self.advances[0])]
+        return [(self.pack([x[a:b] for x in self.leaves]), adv) for (a, b), adv in zip(self.bounds, self.advances)]

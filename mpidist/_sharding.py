@@ -13,15 +13,17 @@ number of ranks.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
 __all__ = [
     "REMAINDERS",
     "SHARD_POLICIES",
+    "batch_plan",
     "batch_rows",
     "check_count",
+    "check_rank",
     "check_remainder",
     "choose_shard_policy",
     "element_index",
@@ -46,18 +48,23 @@ def check_count(name: str, value: Any, minimum: int = 0) -> int:
     return int(value)
 
 
-def _rank_of(rank: int, size: int) -> None:
+def check_rank(rank: int, size: int) -> None:
+    """``ValueError`` unless ``0 <= rank < size`` (and ``size >= 1``)."""
     check_count("size", size, 1)
     if not 0 <= check_count("rank", rank) < size:
         raise ValueError(f"rank {rank} is not a rank of {size} (expected 0 <= rank < {size})")
 
 
-def split_range(count: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank's contiguous share ``[lo, hi)`` of ``count`` items: as even as possible, lower ranks first."""
-    _rank_of(rank, size)
-    base, extra = divmod(check_count("count", count), size)
+def _split(count: int, rank: int, size: int) -> tuple[int, int]:
+    base, extra = divmod(count, size)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (1 if rank < extra else 0)
+
+
+def split_range(count: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank's contiguous share ``[lo, hi)`` of ``count`` items: as even as possible, lower ranks first."""
+    check_rank(rank, size)
+    return _split(check_count("count", count), rank, size)
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int, rank: Optional[int] = None) -> int:
@@ -85,6 +92,14 @@ def num_steps(num_samples: int, global_batch_size: int, offset: int = 0, remaind
     return left // batch if remainder == "drop" else -(-left // batch)
 
 
+def _rows(offset: int, num_samples: int, batch: int, rank: int, size: int, auto_shard: bool) -> tuple[int, int]:
+    count = max(0, min(batch, num_samples - offset))
+    if not auto_shard:
+        return offset, offset + count
+    lo, hi = _split(count, rank, size)
+    return offset + lo, offset + hi
+
+
 def batch_rows(offset: int, num_samples: int, global_batch_size: int, rank: int, size: int,
                auto_shard: bool = True) -> tuple[int, int]:
     """Positions ``[lo, hi)`` (in the epoch's sample order) rank reads at the step starting at ``offset``.
@@ -93,12 +108,30 @@ def batch_rows(offset: int, num_samples: int, global_batch_size: int, rank: int,
     ``auto_shard`` they are split by :func:`split_range` (``B / N`` each for
     a full batch), without it every rank reads all of them.
     """
-    _rank_of(rank, size)
-    count = max(0, min(check_count("global_batch_size", global_batch_size, 1), num_samples - offset))
-    if not auto_shard:
-        return offset, offset + count
-    lo, hi = split_range(count, rank, size)
-    return offset + lo, offset + hi
+    check_rank(rank, size)
+    return _rows(check_count("offset", offset), check_count("num_samples", num_samples),
+                 check_count("global_batch_size", global_batch_size, 1), rank, size, auto_shard)
+
+
+def batch_plan(num_samples: int, global_batch_size: int, rank: int, size: int, *, offset: int = 0,
+               remainder: str = "drop", auto_shard: bool = True) -> Iterator[tuple[int, int, int]]:
+    """``(lo, hi, advance)`` for each step left from global sample ``offset``: :func:`batch_rows` and
+    the number of samples the step consumes over all ranks (the offset moves by ``advance``).
+
+    The arguments are checked once, when the generator is created.
+    """
+    steps = num_steps(num_samples, global_batch_size, offset, remainder)
+    check_rank(rank, size)
+    return _plan(num_samples, global_batch_size, rank, size, offset, steps, auto_shard)
+
+
+def _plan(num_samples: int, batch: int, rank: int, size: int, offset: int, steps: int,
+          auto_shard: bool) -> Iterator[tuple[int, int, int]]:
+    for _ in range(steps):
+        lo, hi = _rows(offset, num_samples, batch, rank, size, auto_shard)
+        advance = min(batch, num_samples - offset)
+        yield lo, hi, advance
+        offset += advance
 
 
 def shard_indices(num_samples: int, rank: int, size: int, global_batch_size: Optional[int] = None, *,
@@ -111,17 +144,13 @@ def shard_indices(num_samples: int, rank: int, size: int, global_batch_size: Opt
     dropped remainder with ``remainder="drop"``).
     """
     batch = size if global_batch_size is None else global_batch_size
-    out = []
-    for _ in range(num_steps(num_samples, batch, offset, remainder)):
-        lo, hi = batch_rows(offset, num_samples, batch, rank, size, auto_shard)
-        out.append(range(lo, hi))
-        offset += min(batch, num_samples - offset)
-    return out
+    return [range(lo, hi) for lo, hi, _ in batch_plan(num_samples, batch, rank, size, offset=offset,
+                                                      remainder=remainder, auto_shard=auto_shard)]
 
 
 def element_index(step: int, rank: int, size: int, offset: int = 0, auto_shard: bool = True) -> int:
     """Index of the element rank receives at ``step`` of an element-sharded iterable started at ``offset``."""
-    _rank_of(rank, size)
+    check_rank(rank, size)
     return offset + (step * size + rank if auto_shard else step)
 
 
@@ -154,7 +183,7 @@ def choose_shard_policy(num_files: int, size: int, policy: str = "auto") -> str:
 
 def file_shard(num_files: int, rank: int, size: int) -> list[int]:
     """Indices of the files rank reads when sharding by file: ``rank, rank + size, ...``."""
-    _rank_of(rank, size)
+    check_rank(rank, size)
     return list(range(rank, check_count("num_files", num_files), size))
 
 

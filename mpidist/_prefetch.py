@@ -1,0 +1,177 @@
+"""Prefetch for the input pipeline: chunks of steps prepared in a background thread.
+
+A :class:`Prefetcher` runs a generator of chunks (several steps of one
+rank's input, :class:`~mpidist._datasets.Chunk`) up to ``depth`` chunks
+ahead of the consumer. A :class:`Converter` moves their leaves to the
+strategy's backend: on a GPU, ``prepare`` (in the thread) starts the copy to
+the device on a side CUDA stream and ``finish`` (in the consumer) makes the
+consumer's stream wait for it; on the host, numbers become 0-d arrays and
+arrays stay as they are.
+
+Everything here is local: the thread runs the source's code and never talks
+to other ranks.
+"""
+from __future__ import annotations
+
+import numbers
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from mpidist._backend import DeviceStager
+from mpidist._datasets import Chunk
+from mpidist._nest import map_structure
+from mpidist._values import PerReplica
+
+__all__ = ["Converter", "Prefetcher", "wrap"]
+
+
+def _is_number(x: Any) -> bool:
+    """Numbers become 0-d arrays of the backend; ``bool`` stays a flag."""
+    return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, bool)
+
+
+class Converter:
+    """Moves leaves to the strategy's backend: ``prepare`` in the producer, ``finish`` in the consumer.
+
+    Create it in the consumer's thread: on a GPU it captures that thread's
+    current CUDA stream as the one that will use the data. Local.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._stager = DeviceStager(backend) if backend.is_gpu else None
+
+    @property
+    def staging(self) -> bool:
+        """Whether ``prepare`` does anything: it starts device copies on a GPU."""
+        return self._stager is not None
+
+    def needs_finish(self, chunk: Chunk) -> bool:
+        """Whether ``finish`` changes anything: on the host, arrays of array batches stay as they are."""
+        return self._stager is not None or chunk.elements is not None
+
+    def prepare(self, leaf: Any) -> Any:
+        """Producer side: start a host array's (or number's) copy to the device; other leaves pass."""
+        if self._stager is not None and (isinstance(leaf, np.ndarray) or _is_number(leaf)):
+            return _Staged(self._stager.start(np.asarray(leaf)))
+        return leaf
+
+    def finish(self, leaf: Any) -> Any:
+        """Consumer side: the device array of a started copy (the current stream waits for it)."""
+        if isinstance(leaf, _Staged):
+            return self._stager.finish(leaf.token)
+        if _is_number(leaf):
+            return self._backend.asarray(leaf)
+        return leaf
+
+
+_NODES = (list, tuple, dict)
+
+
+def wrap(rank: int, element: Any) -> Any:
+    """``element`` with every leaf wrapped as ``PerReplica({rank: leaf})`` (flat nests without map_structure)."""
+    kind = type(element)
+    if kind is tuple or kind is list:
+        if not any(isinstance(c, _NODES) for c in element):
+            return kind(PerReplica({rank: c}) for c in element)
+    elif kind is dict:
+        if not any(isinstance(c, _NODES) for c in element.values()):
+            return {key: PerReplica({rank: c}) for key, c in element.items()}
+    elif not isinstance(element, _NODES):
+        return PerReplica({rank: element})
+    return map_structure(lambda x: PerReplica({rank: x}), element)
+
+
+class _Staged:
+    __slots__ = ("token",)
+
+    def __init__(self, token: Any) -> None:
+        self.token = token
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+def _acquire(slots: "queue.SimpleQueue[None]", stop: threading.Event) -> bool:
+    """Wait for a free prefetch slot; ``False`` once the consumer has stopped."""
+    while not stop.is_set():
+        try:
+            slots.get(timeout=0.05)
+            return True
+        except queue.Empty:
+            pass
+    return False
+
+
+def _produce(chunks: Iterator[Chunk], prepare: Optional[Callable[[Any], Any]], items: "queue.SimpleQueue[Any]",
+             slots: "queue.SimpleQueue[None]", stop: threading.Event) -> None:
+    """Prefetch thread: prepare a chunk per free slot until the source ends, fails, or the consumer stops."""
+    try:
+        while _acquire(slots, stop):
+            chunk = next(chunks, _END)
+            if chunk is _END:
+                items.put(_END)
+                return
+            items.put(chunk if prepare is None else chunk.map_leaves(prepare))
+    except BaseException as error:  # handed to the consumer, which re-raises it
+        items.put(_Failure(error))
+
+
+class Prefetcher:
+    """Runs a chunk generator up to ``depth`` chunks ahead in a thread (``depth=0``: inline). Local.
+
+    The hand-off uses two C-level ``SimpleQueue``: prepared chunks one way,
+    free slots the other.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], prepare: Optional[Callable[[Any], Any]], depth: int) -> None:
+        self._chunks, self._prepare, self._ended = chunks, prepare, False
+        self._thread: Optional[threading.Thread] = None
+        if depth > 0:
+            self._items: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+            self._slots: "queue.SimpleQueue[None]" = queue.SimpleQueue()
+            for _ in range(depth):
+                self._slots.put(None)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=_produce,
+                                            args=(chunks, prepare, self._items, self._slots, self._stop),
+                                            name="mpidist-prefetch", daemon=True)
+            self._thread.start()
+            weakref.finalize(self, self._stop.set)
+
+    def get(self) -> Optional[Chunk]:
+        """The next chunk, ``None`` at the end; re-raises the source's exception."""
+        if self._ended:
+            return None
+        if self._thread is None:
+            item = next(self._chunks, _END)
+            if item is not _END and self._prepare is not None:
+                item = item.map_leaves(self._prepare)
+        else:
+            item = self._items.get()
+            self._slots.put(None)
+        if item is _END:
+            self._ended = True
+            return None
+        if isinstance(item, _Failure):
+            self._ended = True
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (it exits within 50 ms, or after the source's current ``next()``)."""
+        self._ended = True
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=1.0)
