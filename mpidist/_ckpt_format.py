@@ -46,7 +46,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -75,6 +75,7 @@ ARRAY_KINDS = (MIRRORED, SYNC_ON_READ, ARRAY)
 
 _VERSION_RE = re.compile(rf"^{re.escape(VERSION_PREFIX)}(\d+)$")
 _TMP_RE = re.compile(rf"^{re.escape(TMP_PREFIX)}(\d+)-")
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.npy$")
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -155,6 +156,12 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
+def _write_chunk(fd: int, data: memoryview, offset: int) -> int:
+    """Write ``data`` at ``offset``; returns its CRC-32."""
+    _pwrite_all(fd, data, offset)
+    return zlib.crc32(data)
+
+
 def _pread_into(fd: int, out: memoryview, offset: int) -> int:
     """Fill ``out`` from ``offset``; returns the bytes read (fewer only at the end of the file)."""
     done = 0
@@ -203,8 +210,7 @@ def write_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads
             for lo in range(piece.lo, piece.hi, chunk_bytes):
                 part = view[lo - piece.lo:min(lo + chunk_bytes, piece.hi) - piece.lo]
                 tasks.append(lambda fd=fd, part=part, lo=lo, entry=entry: (
-                    entry["name"], lo // chunk_bytes,
-                    _pwrite_all(fd, part, entry["data_offset"] + lo) or zlib.crc32(part)))
+                    entry["name"], lo // chunk_bytes, _write_chunk(fd, part, entry["data_offset"] + lo)))
         crcs: dict[str, dict[int, int]] = {}
         for name, index, crc in _run(tasks, threads):
             crcs.setdefault(name, {})[index] = crc
@@ -305,7 +311,41 @@ def decode_manifest(data: bytes, where: str) -> dict:
     if manifest["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{where}: checkpoint format version {manifest['format_version']} is newer than "
                               f"this mpidist ({__version__}) reads ({FORMAT_VERSION}); upgrade mpidist")
+    try:
+        _check_entries(manifest)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ChecksumError(f"{where}: malformed manifest ({exc}); the checkpoint is damaged", file=where) from None
     return manifest
+
+
+def _check_entries(manifest: dict) -> None:
+    """Reject anything a reader could misuse: unsafe dtypes, file names outside the save, bad sizes."""
+    chunk = manifest["chunk_bytes"]
+    if not (isinstance(chunk, int) and chunk > 0 and isinstance(manifest["world_size"], int)):
+        raise ValueError("bad chunk_bytes or world_size")
+    names = set()
+    for entry in manifest["entries"]:
+        name, kind = entry["name"], entry["kind"]
+        if not isinstance(name, str) or name in names or kind not in ARRAY_KINDS + (STATE,):
+            raise ValueError(f"entry {name!r}: duplicate name or unknown kind {kind!r}")
+        names.add(name)
+        if kind == STATE:
+            continue
+        dtype = check_dtype(entry["dtype"], name)
+        shape = entry["shape"]
+        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise ValueError(f"entry {name!r}: bad shape {shape!r}")
+        if entry["nbytes"] != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or chunk % dtype.itemsize:
+            raise ValueError(f"entry {name!r}: size {entry['nbytes']!r} does not match shape and dtype")
+        if not (isinstance(entry["file"], str) and _FILE_RE.match(entry["file"])):
+            raise ValueError(f"entry {name!r}: file name {entry['file']!r} is not a plain .npy name")
+        if not (isinstance(entry["data_offset"], int) and 0 < entry["data_offset"] < 1 << 32
+                and isinstance(entry["header_crc32"], int)):
+            raise ValueError(f"entry {name!r}: bad header offset or checksum")
+        crcs = entry["chunk_crc32"]
+        if not (isinstance(crcs, list) and len(crcs) == chunk_count(entry["nbytes"], chunk)
+                and all(isinstance(c, int) for c in crcs)):
+            raise ValueError(f"entry {name!r}: wrong number of chunk checksums")
 
 
 def make_manifest(entries: list[dict], world_size: int, chunk_bytes: int) -> dict:
@@ -365,6 +405,9 @@ def resolve(path: PathLike) -> Path:
 def begin_save(path: PathLike) -> tuple[Path, int]:
     """Create the temporary directory of the next save in ``path``; returns it and the save's number. Local."""
     root = Path(path)
+    if (root / MANIFEST).is_file():
+        raise CheckpointError(f"{root} is one save inside a checkpoint directory; save into the checkpoint "
+                              f"directory itself ({root.parent})")
     root.mkdir(parents=True, exist_ok=True)
     numbers = [0]
     for child in root.iterdir():
@@ -430,9 +473,10 @@ def discard(tmp: Path) -> None:
 
 
 # -- reading without a strategy --------------------------------------------------------------
-def _threads() -> int:
+def io_threads(ranks_on_node: int = 1) -> int:
+    """Threads for file I/O and CRCs: this node's cores shared among its ranks, 1 to 4."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(4, cores))
+    return max(1, min(4, cores // max(1, ranks_on_node)))
 
 
 def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndarray]:
@@ -459,7 +503,7 @@ def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndar
     if not verify:
         return {e["name"]: np.load(directory / e["file"], allow_pickle=False) for e in entries}
     pieces = [Piece(e, 0, e["nbytes"], np.empty(e["nbytes"], np.uint8)) for e in entries]
-    read_pieces(directory, pieces, manifest["chunk_bytes"], _threads())
+    read_pieces(directory, pieces, manifest["chunk_bytes"], io_threads())
     return {p.entry["name"]: entry_array(p.entry, p.buffer) for p in pieces}
 
 
@@ -491,12 +535,21 @@ def inspect(path: PathLike, *, verify: bool = True) -> Report:
         for entry in manifest["entries"]:
             if entry["kind"] not in ARRAY_KINDS:
                 continue
-            piece = Piece(entry, 0, entry["nbytes"], np.empty(entry["nbytes"], np.uint8))
             try:
-                read_pieces(directory, [piece], manifest["chunk_bytes"], _threads())
+                _verify_entry(directory, entry, manifest["chunk_bytes"])
             except ChecksumError as exc:
                 problems[entry["name"]] = str(exc)
     return Report(directory, manifest, problems, verify)
+
+
+def _verify_entry(directory: Path, entry: dict, chunk_bytes: int) -> None:
+    """Check an entry's header and chunks, holding only a few chunks in memory at a time. Local."""
+    threads = io_threads()
+    step = chunk_bytes * threads
+    buffer = np.empty(min(step, entry["nbytes"]), np.uint8)
+    for lo in range(0, max(entry["nbytes"], 1), step):
+        hi = min(lo + step, entry["nbytes"])
+        read_pieces(directory, [Piece(entry, lo, hi, buffer[:hi - lo])], chunk_bytes, threads)
 
 
 def describe_entry(entry: dict) -> dict[str, str]:
@@ -508,16 +561,13 @@ def describe_entry(entry: dict) -> dict[str, str]:
                 "size": detail if len(detail) <= 40 else detail[:37] + "..."}
     return {"name": entry["name"], "kind": entry["kind"], "shape": str(tuple(entry["shape"])),
             "dtype": str(np.dtype(entry["dtype"])), "aggregation": entry.get("aggregation") or "",
-            "size": _human(entry["nbytes"])}
+            "size": human_size(entry["nbytes"])}
 
 
-def _human(n: int) -> str:
+def human_size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
 
-
-def iter_entries(manifest: dict, kinds: Iterable[str] = ARRAY_KINDS) -> list[dict]:
-    return [e for e in manifest["entries"] if e["kind"] in tuple(kinds)]

@@ -1,0 +1,518 @@
+"""Checkpoints of distributed variables, plain arrays and input positions (contract C6).
+
+``Checkpoint(**items)`` names what to save; :meth:`Checkpoint.save` and
+:meth:`Checkpoint.restore` are collective over the variables' strategy. The
+seed's saving rules (TF's ``_MirroredSaveable`` / ``_TowerLocalSaveable``):
+
+- a mirrored variable saves its value once and restores it to every rank;
+- a sync-on-read variable saves its reduced value (what ``read_value()``
+  gives in cross-replica context) and restores through cross-replica
+  ``assign``: ``SUM`` values are split over the ranks present at restore
+  (exactly, for integers), other aggregations are set on every rank;
+- a plain NumPy array is saved from rank 0 and restored in place on every rank;
+- an iterator-like object (``get_state() -> dict``, ``set_state(dict)``)
+  saves its JSON state, so training resumes at the same input position.
+
+A checkpoint saved by N ranks restores on any number of ranks. The file
+format, atomic commit and checksums live in :mod:`mpidist._ckpt_format`
+(usable without MPI); this module adds the collective protocol:
+
+1. Ranks agree on what is saved (names, kinds, shapes, dtypes, options); a
+   difference raises ``ValueError`` on every rank before anything is written.
+2. Rank 0 creates a hidden temporary directory with every ``.npy`` file
+   pre-sized; the directory must be on a file system all ranks share.
+3. Every rank writes its share of the bytes (whole chunks, balanced over the
+   ranks) with ``os.pwrite``, computes their CRC-32s and fsyncs.
+4. Ranks agree that all writes succeeded; rank 0 writes the manifest and
+   renames the directory into place (the commit), then prunes old saves.
+
+Restore reads the manifest on rank 0, checks every item against it on every
+rank, lets each rank read and verify only its share of the chunks, agrees
+that all of that succeeded, and only then modifies anything: the shares are
+exchanged with one allgather per array and assigned. A failure on any rank
+raises the same exception type on every rank (never a hang) and leaves
+every variable, array and iterator as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import numpy as np
+
+from mpidist import _ckpt_format as fmt
+from mpidist._backend import to_host
+from mpidist._context import get_replica_context, get_strategy
+from mpidist._errors import CheckpointError, ChecksumError, format_ranks
+from mpidist._variables import DistributedVariable, VariableSynchronization
+
+if TYPE_CHECKING:
+    from mpidist._strategy import MPIStrategy
+
+__all__ = ["Checkpoint", "read_checkpoint"]
+
+read_checkpoint = fmt.read_checkpoint
+
+# Exception types a failing rank can make every rank raise (by name: nothing is unpickled).
+_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (ChecksumError, CheckpointError, FileNotFoundError, TypeError, ValueError, RuntimeError)
+}
+# Arrays larger than this are exchanged in rounds of one chunk per rank (MPI counts are 32-bit).
+_MAX_GATHER_BYTES = 1 << 30
+
+
+def _kind(name: str, obj: Any) -> str:
+    if isinstance(obj, DistributedVariable):
+        return fmt.SYNC_ON_READ if obj.synchronization is VariableSynchronization.ON_READ else fmt.MIRRORED
+    if isinstance(obj, np.ndarray):
+        return fmt.ARRAY
+    if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
+        return fmt.STATE
+    raise TypeError(f"Checkpoint item {name!r} is a {type(obj).__name__}; a checkpoint holds mpidist variables, "
+                    "NumPy arrays (use a 0-d array for a counter) and objects with get_state() and set_state()")
+
+
+def _error_record(exc: BaseException) -> dict:
+    kind = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), CheckpointError.__name__)
+    return {"type": kind, "message": str(exc), "file": getattr(exc, "file", None),
+            "entry": getattr(exc, "entry", None)}
+
+
+class _Protocol:
+    """The collective steps of one save or restore, with "did every rank succeed?" agreement."""
+
+    def __init__(self, strategy: "MPIStrategy", what: str) -> None:
+        self.comm = strategy.communicator
+        self.rank, self.size = strategy.rank, strategy.num_replicas_in_sync
+        self.what = what
+
+    def gather(self, payload: Any, failure: Optional[BaseException]) -> list[Any]:
+        """Collective: every rank's JSON ``payload``; if any rank failed, raise on every rank."""
+        message = {"error": _error_record(failure)} if failure is not None else {"payload": payload}
+        replies = [json.loads(b) for b in self.comm.allgather_bytes(json.dumps(message).encode(), name="checkpoint")]
+        self._raise([r.get("error") for r in replies], failure)
+        return [r["payload"] for r in replies]
+
+    def share(self, payload: Any, failure: Optional[BaseException]) -> Any:
+        """Collective: rank 0's JSON ``payload`` on every rank; if rank 0 failed, raise on every rank."""
+        message = {"error": _error_record(failure)} if failure is not None else {"payload": payload}
+        data = json.dumps(message).encode() if self.rank == 0 else None
+        reply = json.loads(self.comm.broadcast_bytes(data, 0, name="checkpoint"))
+        self._raise([reply.get("error")], failure)
+        return reply["payload"]
+
+    def _raise(self, errors: list[Optional[dict]], failure: Optional[BaseException]) -> None:
+        failed = {r: e for r, e in enumerate(errors) if e}
+        if not failed:
+            return
+        groups: dict[str, list[int]] = {}
+        for r, e in failed.items():
+            groups.setdefault(e["message"], []).append(r)
+        detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}: {m}" for m, rs in groups.items())
+        first = failed[min(failed)]
+        cls = _ERRORS.get(first["type"], CheckpointError)
+        message = f"{self.what}: {detail}"
+        exc = cls(message, file=first["file"], entry=first["entry"]) if cls is ChecksumError else cls(message)
+        raise exc from failure
+
+    def same(self, descriptions: list[Any], what: str) -> None:
+        """Raise ``ValueError`` (on every rank: all see the same list) unless all ranks described the same."""
+        differ = [r for r, d in enumerate(descriptions) if d != descriptions[0]]
+        if differ:
+            raise ValueError(f"{self.what}: ranks disagree on {what}: rank 0 has {descriptions[0]}, rank "
+                             f"{differ[0]} has {descriptions[differ[0]]}. Every rank must call it with the "
+                             "same items (names, kinds, shapes, dtypes) and options")
+
+
+class Checkpoint:
+    """Named variables, arrays and iterator positions, saved and restored together.
+
+    Args:
+        **items: name -> item. An item is a ``MirroredVariable``, a
+            ``SyncOnReadVariable`` (all of one strategy), a NumPy array, or an
+            object with ``get_state() -> dict`` (JSON-serialisable) and
+            ``set_state(dict)``, such as an input iterator.
+
+    Construction is local. :meth:`save` and :meth:`restore` are collective
+    over the variables' strategy (the strategy whose ``scope()`` is active,
+    when the checkpoint holds no variables): every rank calls them with the
+    same items and path. The directory must be on a file system every rank
+    sees (any parallel or network file system; a node-local disk works only
+    on one node). See :mod:`mpidist._ckpt_format` for the layout on disk.
+    """
+
+    def __init__(self, **items: Any) -> None:
+        if not items:
+            raise ValueError("Checkpoint() needs at least one item, e.g. Checkpoint(weights=w, step=step)")
+        self._items = {name: (_kind(name, obj), obj) for name, obj in sorted(items.items())}
+        strategies = {id(obj.strategy): obj.strategy for kind, obj in self._items.values()
+                      if kind in (fmt.MIRRORED, fmt.SYNC_ON_READ)}
+        if len(strategies) > 1:
+            raise ValueError("Checkpoint items belong to different strategies; a checkpoint saves the variables "
+                             "of one strategy: make one Checkpoint per strategy")
+        self._strategy = next(iter(strategies.values()), None)
+
+    @property
+    def items(self) -> Mapping[str, Any]:
+        """The items, by name (a copy). Local."""
+        return {name: obj for name, (_, obj) in self._items.items()}
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({', '.join(f'{n}=<{k}>' for n, (k, _) in self._items.items())})"
+
+    # -- save ----------------------------------------------------------------------------
+    def save(self, path: fmt.PathLike, *, keep: int = 1, fsync: bool = True,
+             chunk_bytes: int = fmt.CHUNK_BYTES) -> str:
+        """Collective: write a new save into checkpoint directory ``path``; returns its directory.
+
+        The save becomes visible in one atomic rename after every byte is
+        written, checksummed and (with ``fsync``) on stable storage; a save
+        that fails or is killed at any moment leaves the saves already at
+        ``path`` untouched. Large arrays are written by all ranks in parallel.
+
+        Args:
+            path: the checkpoint directory (created if missing). Each save
+                goes into a new subdirectory ``ckpt-NNNNNN``.
+            keep: how many saves to keep, newest first; older ones are
+                removed after the new one is committed.
+            fsync: flush data, manifest and directories to stable storage
+                before the commit (survives a power loss, not only a crash).
+                Turn off only for scratch checkpoints.
+            chunk_bytes: unit of checksums and of the work split between
+                ranks (default 8 MiB; a multiple of 32, ideally of the file
+                system's stripe size).
+
+        Raises:
+            ValueError: ranks disagree on items or arguments, or bad arguments.
+            TypeError: an item's dtype cannot be saved (object, structured).
+            CheckpointError: writing failed on some rank (all ranks raise it).
+        """
+        strategy = self._strategy_for("save")
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Checkpoint.save: keep must be a positive int (how many saves to keep), got {keep!r}")
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 32 or chunk_bytes % 32:
+            raise ValueError("Checkpoint.save: chunk_bytes must be a positive multiple of 32 (the largest item "
+                             f"size), got {chunk_bytes!r}")
+        run = _Protocol(strategy, f"Checkpoint.save to {os.fspath(path)} failed, the saves already there are intact")
+        entries = self._agree_on_entries(run, [os.fspath(path), keep, fsync, chunk_bytes])
+        values = self._values(strategy)
+        arrays = [e for e in entries if e["kind"] in fmt.ARRAY_KINDS]
+        tmp, number = self._prepare(run, path, arrays)
+        try:
+            crcs = self._write_shares(run, tmp, arrays, values, chunk_bytes, fsync)
+        except BaseException:
+            if run.rank == 0:
+                fmt.discard(tmp)
+            raise
+        # rank 0 commits: manifest, rename, prune
+        failure: Optional[BaseException] = None
+        payload: dict = {}
+        if run.rank == 0:
+            try:
+                for entry in arrays:
+                    entry["chunk_crc32"] = [crcs[entry["name"]][i]
+                                            for i in range(fmt.chunk_count(entry["nbytes"], chunk_bytes))]
+                final = fmt.commit(tmp, number, fmt.make_manifest(entries, run.size, chunk_bytes), fsync)
+                payload = {"path": str(final), "problems": fmt.prune(Path(path), keep, final)}
+            except Exception as exc:
+                failure = exc
+                fmt.discard(tmp)
+        reply = run.share(payload, failure)
+        if reply["problems"] and run.rank == 0:
+            warnings.warn(f"Checkpoint.save committed {reply['path']} but could not prune older saves: "
+                          + "; ".join(reply["problems"]), RuntimeWarning, stacklevel=2)
+        return reply["path"]
+
+    def _agree_on_entries(self, run: "_Protocol", args: list) -> list[dict]:
+        """Collective: check that all ranks save the same items with the same arguments; the manifest entries."""
+        failure: Optional[BaseException] = None
+        descriptions: list[dict] = []
+        states: dict[str, Any] = {}
+        try:
+            descriptions = self._describe()
+            states = {name: self._get_state(name, obj) for name, (kind, obj) in self._items.items()
+                      if kind == fmt.STATE}
+        except Exception as exc:  # reported to every rank by the agreement
+            failure = exc
+        replies = run.gather({"items": descriptions, "args": args, "states": states}, failure)
+        run.same([r["items"] for r in replies], "the checkpoint's items")
+        run.same([r["args"] for r in replies], "the arguments of save (path, keep, fsync, chunk_bytes)")
+        return self._entries(descriptions, [r["states"] for r in replies])
+
+    @staticmethod
+    def _prepare(run: "_Protocol", path: fmt.PathLike, arrays: list[dict]) -> tuple[Path, int]:
+        """Collective: rank 0 creates the temporary directory with every file pre-sized."""
+        failure: Optional[BaseException] = None
+        payload: dict = {}
+        if run.rank == 0:
+            try:
+                tmp, number = fmt.begin_save(path)
+                payload = {"tmp": str(tmp), "number": number}
+                fmt.create_files(tmp, arrays)
+            except Exception as exc:
+                failure = exc
+                if payload:
+                    fmt.discard(Path(payload["tmp"]))
+        reply = run.share(payload, failure)
+        return Path(reply["tmp"]), reply["number"]
+
+    def _write_shares(self, run: "_Protocol", tmp: Path, arrays: list[dict], values: dict[str, Any],
+                      chunk_bytes: int, fsync: bool) -> dict[str, dict[int, int]]:
+        """Collective: every rank writes and checksums its share; all chunks' CRC-32s, by entry."""
+        failure: Optional[BaseException] = None
+        crcs: dict[str, dict[int, int]] = {}
+        ranges = fmt.share_ranges([e["nbytes"] for e in arrays], run.size, chunk_bytes,
+                                  rank0_only=[e["kind"] == fmt.ARRAY for e in arrays])
+        try:
+            self._check_visible(tmp, run.rank)
+            pieces = [fmt.Piece(e, lo, hi, _host_bytes(values[e["name"]], lo, hi))
+                      for e, shares in zip(arrays, ranges) for lo, hi in [shares[run.rank]] if hi > lo]
+            crcs = fmt.write_pieces(tmp, pieces, chunk_bytes, fmt.io_threads(run.comm.local_size), fsync)
+        except Exception as exc:
+            failure = exc
+        replies = run.gather({name: {str(k): v for k, v in c.items()} for name, c in crcs.items()}, failure)
+        merged: dict[str, dict[int, int]] = {e["name"]: {} for e in arrays}
+        for reply in replies:
+            for name, chunks in reply.items():
+                merged[name].update((int(k), v) for k, v in chunks.items())
+        return merged
+
+    # -- restore -------------------------------------------------------------------------
+    def restore(self, path: fmt.PathLike) -> str:
+        """Collective: restore every item from a save; returns the save's directory.
+
+        ``path`` is a checkpoint directory (its newest save is used) or one
+        save inside it (``path/ckpt-000003``). The save may come from any
+        number of ranks. All-or-nothing: items are checked against the
+        manifest and every rank's share of the data is read and verified
+        before anything is modified; on any failure every rank raises and
+        nothing changed. Entries of the checkpoint without an item here are
+        ignored.
+
+        Raises:
+            FileNotFoundError: no complete save at ``path``.
+            ValueError: an item is missing from the checkpoint, or its shape,
+                dtype or kind differs (the message names it and both values).
+            ChecksumError: a file is damaged (named in the message).
+            CheckpointError: reading failed on some rank.
+        """
+        strategy = self._strategy_for("restore")
+        run = _Protocol(strategy, f"Checkpoint.restore from {os.fspath(path)} failed, nothing was modified")
+        directory, manifest = self._load_manifest(run, path)
+        failure: Optional[BaseException] = None
+        plan: list[tuple[str, str, Any, dict]] = []
+        descriptions: list[dict] = []
+        try:
+            descriptions = self._describe()
+            plan = self._match(manifest, directory, run.size)
+        except Exception as exc:
+            failure = exc
+        run.same(run.gather(descriptions, failure), "the checkpoint's items")
+        arrays = [(kind, obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
+        chunk_bytes = manifest["chunk_bytes"]
+        ranges = fmt.share_ranges([entry["nbytes"] for *_, entry in arrays], run.size, chunk_bytes)
+        shares = self._read_shares(run, directory, [entry for *_, entry in arrays], ranges, chunk_bytes)
+        self._set_states(run, [(name, obj, entry) for name, kind, obj, entry in plan if kind == fmt.STATE])
+        # nothing can fail any more: exchange the shares and assign
+        for (kind, obj, entry), entry_ranges, share in zip(arrays, ranges, shares):
+            value = fmt.entry_array(entry, self._assemble(run, entry, entry_ranges, share, chunk_bytes))
+            if kind == fmt.ARRAY:
+                obj[...] = value
+            else:
+                with strategy.scope():
+                    obj.assign(value)
+        return str(directory)
+
+    @staticmethod
+    def _load_manifest(run: "_Protocol", path: fmt.PathLike) -> tuple[Path, dict]:
+        """Collective: rank 0 finds the save and reads its manifest; every rank gets both."""
+        failure: Optional[BaseException] = None
+        payload: dict = {}
+        if run.rank == 0:
+            try:
+                directory = fmt.resolve(path)
+                payload = {"dir": str(directory), "manifest": fmt.read_manifest(directory)}
+            except Exception as exc:
+                failure = exc
+        reply = run.share(payload, failure)
+        return Path(reply["dir"]), reply["manifest"]
+
+    def _read_shares(self, run: "_Protocol", directory: Path, entries: list[dict],
+                     ranges: list[list[tuple[int, int]]], chunk_bytes: int) -> list[np.ndarray]:
+        """Collective: every rank reads and verifies its share of every entry; raises everywhere on failure."""
+        failure: Optional[BaseException] = None
+        pieces = [fmt.Piece(entry, lo, hi, np.empty(hi - lo, np.uint8))
+                  for entry, entry_ranges in zip(entries, ranges) for lo, hi in [entry_ranges[run.rank]]]
+        try:
+            self._check_visible(directory, run.rank)
+            mine = [p for p in pieces if p.hi > p.lo or (p.entry["nbytes"] == 0 and run.rank == 0)]
+            fmt.read_pieces(directory, mine, chunk_bytes, fmt.io_threads(run.comm.local_size))
+        except Exception as exc:
+            failure = exc
+        run.gather(None, failure)
+        return [p.buffer for p in pieces]
+
+    def _set_states(self, run: "_Protocol", states: list[tuple[str, Any, dict]]) -> None:
+        """Collective: ``set_state`` of each iterator; rolled back on every rank unless all ranks succeeded."""
+        failure: Optional[BaseException] = None
+        previous: dict[str, Any] = {}
+        try:
+            for name, obj, entry in states:
+                state = entry["state"] if "state" in entry else entry["rank_states"][run.rank]
+                previous[name] = obj.get_state()
+                obj.set_state(json.loads(json.dumps(state)))  # a fresh copy
+        except Exception as exc:
+            failure = exc
+        try:
+            run.gather(None, failure)
+        except BaseException:
+            self._roll_back(previous)
+            raise
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _strategy_for(self, what: str) -> "MPIStrategy":
+        if get_replica_context() is not None:
+            raise RuntimeError(f"Checkpoint.{what} is a collective, cross-replica call; call it outside "
+                               "strategy.run (inside merge_call or scope() is fine)")
+        strategy = self._strategy or get_strategy()
+        if strategy is None:
+            raise RuntimeError(f"Checkpoint.{what}: this checkpoint holds no variables, so it does not know which "
+                               "ranks take part; call it inside `with strategy.scope():`")
+        return strategy
+
+    def _describe(self) -> list[dict]:
+        """What this rank holds: name, kind, shape, dtype, aggregation of each item. Local."""
+        out = []
+        for name, (kind, obj) in self._items.items():
+            description = {"name": name, "kind": kind}
+            if kind in fmt.ARRAY_KINDS:
+                dtype = fmt.check_dtype(obj.dtype, name)
+                description.update(shape=[int(s) for s in obj.shape], dtype=dtype.str)
+            if kind in (fmt.MIRRORED, fmt.SYNC_ON_READ):
+                description["aggregation"] = obj.aggregation.value
+            out.append(description)
+        return out
+
+    @staticmethod
+    def _get_state(name: str, obj: Any) -> Any:
+        state = obj.get_state()
+        try:
+            return json.loads(json.dumps(state))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"Checkpoint item {name!r}: get_state() returned {type(state).__name__} that JSON "
+                            f"cannot hold ({exc}); return a dict of numbers, strings, lists and dicts") from None
+
+    @staticmethod
+    def _entries(descriptions: list[dict], states_by_rank: list[dict]) -> list[dict]:
+        """Manifest entries (without CRCs of the data) of the agreed items. Local, the same on every rank."""
+        entries = []
+        for index, description in enumerate(descriptions):
+            entry = dict(description)
+            name = entry["name"]
+            if entry["kind"] == fmt.STATE:
+                states = [s[name] for s in states_by_rank]
+                if all(s == states[0] for s in states):
+                    entry["state"] = states[0]
+                else:
+                    entry["rank_states"] = states
+            else:
+                header = fmt.npy_header(entry["shape"], np.dtype(entry["dtype"]))
+                entry.update(file=fmt.safe_file_name(index, name), data_offset=len(header),
+                             header_crc32=zlib.crc32(header),
+                             nbytes=int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize)
+            entries.append(entry)
+        return entries
+
+    def _values(self, strategy: "MPIStrategy") -> dict[str, Any]:
+        """The value saved for each array item (collective: sync-on-read variables are reduced)."""
+        values = {}
+        for name, (kind, obj) in self._items.items():
+            if kind == fmt.SYNC_ON_READ:
+                values[name] = strategy.read_var(obj)
+            elif kind == fmt.MIRRORED:
+                values[name] = obj.read_value()
+            elif kind == fmt.ARRAY:
+                values[name] = obj
+        return values
+
+    def _match(self, manifest: dict, directory: Path, size: int) -> list[tuple[str, str, Any, dict]]:
+        """Pair each item with its manifest entry; ``ValueError`` listing every mismatch. Local."""
+        entries = {e["name"]: e for e in manifest["entries"]}
+        plan, problems = [], []
+        for name, (kind, obj) in self._items.items():
+            entry = entries.get(name)
+            if entry is None:
+                held = ", ".join(map(repr, entries)) or "nothing"
+                problems.append(f"{name!r} is not in the checkpoint (it holds {held})")
+                continue
+            if (kind == fmt.STATE) != (entry["kind"] == fmt.STATE):
+                problems.append(f"{name!r} is of kind {kind!r} here but {entry['kind']!r} in the checkpoint")
+                continue
+            if kind == fmt.STATE:
+                saved_at = len(entry.get("rank_states", ()))
+                if "state" not in entry and saved_at != size:
+                    problems.append(f"{name!r} was saved with a different state on each of {saved_at} ranks, so it "
+                                    f"can only be restored on {saved_at} ranks, not {size}; to restore on another "
+                                    "number of ranks, make get_state() return the same (global) position on every rank")
+            else:
+                saved_shape, saved_dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
+                if saved_shape != tuple(obj.shape):
+                    problems.append(f"{name!r} has shape {saved_shape} in the checkpoint but {tuple(obj.shape)} here")
+                if saved_dtype != np.dtype(obj.dtype):
+                    problems.append(f"{name!r} has dtype {saved_dtype} in the checkpoint but "
+                                    f"{np.dtype(obj.dtype)} here")
+                if kind == fmt.ARRAY and not obj.flags.writeable:
+                    problems.append(f"{name!r} is a read-only array here; pass a writeable array to restore into")
+            plan.append((name, kind, obj, entry))
+        if problems:
+            raise ValueError(f"checkpoint {directory} does not fit this Checkpoint: " + "; ".join(problems))
+        return plan
+
+    def _roll_back(self, previous: dict[str, Any]) -> None:
+        """Give iterators back the states they had before a failed restore. Local."""
+        for name, state in previous.items():
+            try:
+                self._items[name][1].set_state(state)
+            except Exception as exc:  # keep the restore's error; say what could not be undone
+                warnings.warn(f"Checkpoint.restore failed and could not give {name!r} back its previous state: "
+                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def _check_visible(directory: Path, rank: int) -> None:
+        if not directory.is_dir():
+            raise CheckpointError(f"rank {rank} cannot see {directory}, which rank 0 can: the checkpoint directory "
+                                  "must be on a file system shared by all ranks (not a node-local disk)")
+
+    @staticmethod
+    def _assemble(run: _Protocol, entry: dict, shares: list[tuple[int, int]], mine: np.ndarray,
+                  chunk_bytes: int) -> np.ndarray:
+        """Collective: the entry's bytes on every rank, from each rank's share (contiguous, in rank order)."""
+        if run.size == 1:
+            return mine
+        name = f"checkpoint entry {entry['name']!r}"
+        if entry["nbytes"] <= _MAX_GATHER_BYTES:
+            return run.comm.allgather(mine, name=name)
+        # in rounds: round k gathers every rank's k-th chunk
+        full = np.empty(entry["nbytes"], np.uint8)
+        rounds = max(fmt.chunk_count(hi - lo, chunk_bytes) for lo, hi in shares)
+        for k in range(rounds):
+            got = run.comm.allgather(mine[k * chunk_bytes:(k + 1) * chunk_bytes], name=name)
+            offset = 0
+            for lo, hi in shares:
+                start = lo + k * chunk_bytes
+                n = max(0, min(chunk_bytes, hi - start))
+                full[start:start + n] = got[offset:offset + n]
+                offset += n
+        return full
+
+
+def _host_bytes(value: Any, lo: int, hi: int) -> np.ndarray:
+    """Bytes ``[lo, hi)`` of array ``value`` (NumPy or a device array) as a host ``uint8`` array. Local."""
+    itemsize = value.dtype.itemsize
+    part = to_host(value.reshape(-1)[lo // itemsize:hi // itemsize])
+    return np.ascontiguousarray(part).view(np.uint8)

@@ -1,0 +1,379 @@
+"""Checkpoint save/restore under mpiexec (1, 2 and 3 ranks), also across numbers of ranks.
+
+Saving at one size and restoring at another happens in one job: strategies over
+sub-communicators of the first ``size`` world ranks (``COMM_WORLD.Split``); ranks outside
+a group skip that part. Expected values derive from rank and size. Every rank makes the
+same collective calls in the same order, also where a call is expected to fail.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist
+from mpidist import _checkpoint
+from mpidist import _ckpt_format as fmt
+from mpidist._checkpoint import Checkpoint, read_checkpoint
+from mpidist._errors import ChecksumError
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+COUNTS = np.array([1, 5, 7, 11, 13, 100, 12345], dtype=np.int64)
+STEPS = 5
+
+
+class ShardedRange:
+    """A tiny sharded input: at each step rank r of n receives element position + r of 0, 1, 2, ...
+
+    Its state is the global position, the same on every rank, so it resumes exactly on
+    any number of ranks.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size, self.position = rank, size, 0
+
+    def __next__(self) -> int:
+        value = self.position + self.rank
+        self.position += self.size
+        return value
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
+
+    def set_state(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+class PerRankState:
+    """An iterator-like object whose state differs between ranks."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def get_state(self) -> dict:
+        return {"value": self.value}
+
+    def set_state(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh directory every rank sees (made by rank 0, path broadcast), removed afterwards.
+
+    It is made in ``MPIDIST_TEST_SHARED_DIR`` when set (a shared file system, for runs over
+    several nodes), else in the temporary directory.
+    """
+    base = os.environ.get("MPIDIST_TEST_SHARED_DIR") or None
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="mpidist-ckpt-", dir=base) if WORLD.rank == 0 else None)
+    yield Path(path) / "ckpt"
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def group(size: int):
+    """A strategy over world ranks 0..size-1, ``None`` on the others. Collective over COMM_WORLD."""
+    comm = WORLD.Split(0 if WORLD.rank < size else MPI.UNDEFINED, WORLD.rank)
+    if comm == MPI.COMM_NULL:
+        yield None
+        return
+    strategy = mpidist.MPIStrategy(comm=comm, device="cpu")
+    try:
+        yield strategy
+    finally:
+        strategy.free()
+        comm.Free()
+
+
+def needs(*sizes: int) -> None:
+    if max(sizes) > WORLD.size:
+        pytest.skip(f"needs {max(sizes)} ranks, the world has {WORLD.size}")
+
+
+def build(strategy, fill: bool) -> dict:
+    """The test model. With ``fill``, values from (rank, size) and STEPS input steps taken."""
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    with strategy.scope():
+        on_read = dict(synchronization=mpidist.VariableSynchronization.ON_READ)
+        model = dict(
+            weights=mpidist.Variable(np.arange(40.0).reshape(8, 5) * (n + 0.5) if fill else np.zeros((8, 5))),
+            total=mpidist.Variable(np.zeros(6), aggregation="sum", **on_read),
+            count=mpidist.Variable(np.zeros(7, np.int64), aggregation="sum", **on_read),
+            mean=mpidist.Variable(np.zeros(3), aggregation="mean", **on_read),
+            first=mpidist.Variable(np.zeros(2), aggregation="only_first_replica", **on_read),
+        )
+    model["table"] = np.arange(6, dtype=np.int32) * n * 10 if fill and r == 0 else np.full(6, -1, np.int32)
+    model["inputs"] = ShardedRange(r, n)
+    if fill:
+        def step():
+            model["total"].assign(np.arange(6.0) + r)
+            model["count"].assign(COUNTS * (r + 1))
+            model["mean"].assign(np.full(3, 2.0 * r))
+            model["first"].assign(np.full(2, 10.0 + r))
+
+        strategy.run(step)
+        for _ in range(STEPS):
+            next(model["inputs"])
+    return model
+
+
+def components(variable) -> np.ndarray:
+    return np.asarray(variable.values[0])
+
+
+def check_restored(strategy, model: dict, saved_at: int) -> None:
+    """Values a model saved by ``saved_at`` ranks must have after restore on this strategy's ranks."""
+    a, n, r = saved_at, strategy.num_replicas_in_sync, strategy.rank
+    np.testing.assert_array_equal(components(model["weights"]), np.arange(40.0).reshape(8, 5) * (a + 0.5))
+    total = a * np.arange(6.0) + a * (a - 1) / 2
+    np.testing.assert_array_equal(components(model["total"]), total / n)
+    count = COUNTS * (a * (a + 1) // 2)
+    quotient, remainder = np.divmod(count, n)
+    np.testing.assert_array_equal(components(model["count"]), quotient + (remainder > r))
+    np.testing.assert_array_equal(components(model["mean"]), np.full(3, a - 1.0))
+    np.testing.assert_array_equal(components(model["first"]), np.full(2, 10.0))
+    np.testing.assert_array_equal(model["table"], np.arange(6) * a * 10)
+    with strategy.scope():
+        np.testing.assert_allclose(model["total"].numpy(), total, rtol=1e-15)
+        np.testing.assert_array_equal(model["count"].numpy(), count)  # integers: exact
+        np.testing.assert_array_equal(model["mean"].numpy(), np.full(3, a - 1.0))
+        np.testing.assert_array_equal(model["first"].numpy(), np.full(2, 10.0))
+    assert next(model["inputs"]) == STEPS * a + r  # the input resumes exactly where it stopped
+
+
+@pytest.mark.parametrize("chunk_bytes", [32, fmt.CHUNK_BYTES])
+@pytest.mark.parametrize("saved_at,restored_at", [(a, b) for a in (1, 2, 3) for b in (1, 2, 3)])
+def test_restore_on_a_different_number_of_ranks(shared_dir, saved_at, restored_at, chunk_bytes):
+    needs(saved_at, restored_at)
+    with group(saved_at) as strategy:
+        if strategy is not None:
+            model = build(strategy, fill=True)
+            path = Checkpoint(**model).save(shared_dir, chunk_bytes=chunk_bytes)
+            assert path == str(shared_dir / "ckpt-000001")
+    with group(restored_at) as strategy:
+        if strategy is not None:
+            model = build(strategy, fill=False)
+            assert Checkpoint(**model).restore(shared_dir) == str(shared_dir / "ckpt-000001")
+            check_restored(strategy, model, saved_at)
+    if WORLD.rank == 0:
+        manifest = json.loads((shared_dir / "ckpt-000001" / fmt.MANIFEST).read_text())
+        assert manifest["world_size"] == saved_at
+        arrays = read_checkpoint(shared_dir)
+        np.testing.assert_array_equal(arrays["count"], COUNTS * (saved_at * (saved_at + 1) // 2))
+        np.testing.assert_array_equal(arrays["mean"], np.full(3, saved_at - 1.0))
+
+
+@pytest.fixture
+def strategy():
+    s = mpidist.MPIStrategy(device="cpu")
+    yield s
+    s.free()
+
+
+def test_large_arrays_are_exchanged_in_rounds(strategy, shared_dir, monkeypatch):
+    monkeypatch.setattr(_checkpoint, "_MAX_GATHER_BYTES", 100)
+    model = build(strategy, fill=True)
+    Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+    model = build(strategy, fill=False)
+    Checkpoint(**model).restore(shared_dir)
+    check_restored(strategy, model, strategy.num_replicas_in_sync)
+
+
+def test_each_rank_writes_and_reads_only_its_share(strategy, shared_dir, monkeypatch):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    with strategy.scope():
+        weights = mpidist.Variable(np.arange(96, dtype=np.float32), name="weights")  # 384 bytes: 12 chunks
+    written, read = [], []
+    real_write, real_read = fmt._pwrite_all, fmt._read_chunk
+
+    def pwrite_all(fd, data, offset):
+        if offset > 0:  # headers and the manifest are written at offset 0, data after the header
+            written.append(len(data))
+        real_write(fd, data, offset)
+
+    def read_chunk(fd, out, *args):
+        read.append(len(out))
+        real_read(fd, out, *args)
+
+    monkeypatch.setattr(fmt, "_pwrite_all", pwrite_all)
+    monkeypatch.setattr(fmt, "_read_chunk", read_chunk)
+    Checkpoint(weights=weights).save(shared_dir, chunk_bytes=32)
+    Checkpoint(weights=weights).restore(shared_dir)
+    lo, hi = fmt.share_ranges([384], n, 32)[0][r]
+    assert sum(written) == hi - lo and sum(read) == hi - lo
+    assert hi - lo <= 384 // n + 32
+    np.testing.assert_array_equal(components(weights), np.arange(96, dtype=np.float32))
+
+
+def test_mismatched_items_raise_value_error_on_every_rank_and_modify_nothing(strategy, shared_dir):
+    with strategy.scope():
+        weights = mpidist.Variable(np.arange(3.0), name="weights")
+    Checkpoint(weights=weights, table=np.zeros(2, np.int32)).save(shared_dir)
+    with strategy.scope():
+        wrong_shape = mpidist.Variable(np.full(4, 7.0))
+        wrong_dtype = mpidist.Variable(np.full(3, 7, np.float32))
+    table = np.full(2, 5, np.int32)
+    with pytest.raises(ValueError, match=r"'weights' has shape \(3,\) in the checkpoint but \(4,\) here"):
+        Checkpoint(weights=wrong_shape, table=table).restore(shared_dir)
+    with pytest.raises(ValueError, match="'weights' has dtype float64 in the checkpoint but float32 here"):
+        Checkpoint(weights=wrong_dtype, table=table).restore(shared_dir)
+    with pytest.raises(ValueError, match="'bias' is not in the checkpoint"):
+        Checkpoint(bias=table, weights=weights).restore(shared_dir)
+    with strategy.scope(), pytest.raises(ValueError, match="'table' is of kind 'state' here but 'array' in the"):
+        Checkpoint(table=ShardedRange(0, 1)).restore(shared_dir)
+    assert (components(wrong_shape) == 7).all() and (components(wrong_dtype) == 7).all() and (table == 5).all()
+
+
+def test_ranks_that_disagree_raise_on_every_rank_and_write_nothing(strategy, shared_dir):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    if n == 1:
+        pytest.skip("needs two ranks to disagree")
+    with strategy.scope(), pytest.raises(ValueError, match="ranks disagree on the checkpoint's items"):
+        Checkpoint(table=np.zeros(3 if r == n - 1 else 2)).save(shared_dir, keep=1)
+    with strategy.scope(), pytest.raises(ValueError, match="ranks disagree on the arguments"):
+        Checkpoint(table=np.zeros(2)).save(shared_dir, keep=1 + (r == n - 1))
+    assert not shared_dir.exists() or not fmt.list_versions(shared_dir)
+
+
+def test_a_checksum_error_in_one_ranks_share_fails_every_rank(strategy, shared_dir):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    model = build(strategy, fill=True)
+    Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+    WORLD.Barrier()
+    if r == 0:  # damage the last chunk of "weights": the last rank reads it
+        path = next((shared_dir / "ckpt-000001").glob("*weights.npy"))
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x40
+        path.write_bytes(bytes(data))
+    WORLD.Barrier()
+    model = build(strategy, fill=False)
+    model["table"][...] = 3
+    with pytest.raises(ChecksumError, match="nothing was modified") as info:
+        Checkpoint(**model).restore(shared_dir)
+    assert info.value.entry == "weights" and info.value.file.endswith("weights.npy")
+    assert f"rank {n - 1}:" in str(info.value) and "weights.npy: 'weights', bytes" in str(info.value)
+    assert (components(model["weights"]) == 0).all() and (model["table"] == 3).all()
+    assert model["inputs"].position == 0
+
+
+class FailingSetState(ShardedRange):
+    """Refuses its first set_state on the last rank (after changing its position)."""
+
+    refused = False
+
+    def set_state(self, state: dict) -> None:
+        super().set_state(state)
+        if self.rank == self.size - 1 and not self.refused:
+            self.refused = True
+            raise RuntimeError(f"set_state refused on rank {self.rank}")
+
+
+def test_a_failing_set_state_is_rolled_back_on_every_rank(strategy, shared_dir):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    model = build(strategy, fill=True)
+    Checkpoint(**model).save(shared_dir)
+    model = build(strategy, fill=False)
+    inputs, other = FailingSetState(r, n), ShardedRange(r, n)
+    next(inputs), next(other)
+    with pytest.raises(RuntimeError, match=f"rank {n - 1}: set_state refused on rank {n - 1}"):
+        Checkpoint(inputs=inputs, more=other, weights=model["weights"]).restore(
+            _renamed(shared_dir, {"inputs": "more"}))
+    assert inputs.position == n and other.position == n
+    assert (components(model["weights"]) == 0).all()
+
+
+def _renamed(shared_dir: Path, copies: dict) -> Path:
+    """A copy of the newest save with state entries duplicated under new names (rank 0 writes it)."""
+    target = shared_dir.parent / "renamed"
+    if WORLD.rank == 0:
+        source = fmt.resolve(shared_dir)
+        shutil.copytree(source, target)
+        manifest = fmt.read_manifest(source)
+        for old, new in copies.items():
+            manifest["entries"].append({**next(e for e in manifest["entries"] if e["name"] == old), "name": new})
+        (target / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))
+    WORLD.Barrier()
+    return target
+
+
+def test_per_rank_iterator_states_restore_only_on_the_same_number_of_ranks(shared_dir):
+    size = WORLD.size
+    with group(size) as strategy:
+        state = PerRankState(100 + strategy.rank)
+        with strategy.scope():
+            Checkpoint(state=state).save(shared_dir)
+        state.value = -1
+        with strategy.scope():
+            Checkpoint(state=state).restore(shared_dir)
+        assert state.value == 100 + strategy.rank
+    if size == 1:
+        return
+    with group(size - 1) as strategy:
+        if strategy is not None:
+            state = PerRankState(-1)
+            with strategy.scope(), pytest.raises(ValueError, match=f"different state on each of {size} ranks"):
+                Checkpoint(state=state).restore(shared_dir)
+            assert state.value == -1
+
+
+def test_keep_and_restore_of_an_older_save(strategy, shared_dir):
+    with strategy.scope():
+        step = mpidist.Variable(np.zeros((), np.int64), name="step")
+    checkpoint = Checkpoint(step=step)
+    for k in range(1, 5):
+        with strategy.scope():
+            step.assign(np.array(k))
+        checkpoint.save(shared_dir, keep=2)
+    assert [v.name for v in fmt.list_versions(shared_dir)] == ["ckpt-000003", "ckpt-000004"]
+    checkpoint.restore(shared_dir / "ckpt-000003")
+    assert int(components(step)) == 3
+
+
+def test_save_is_a_cross_replica_call(strategy, shared_dir):
+    with strategy.scope():
+        weights = mpidist.Variable(np.zeros(2))
+    checkpoint = Checkpoint(weights=weights)
+    with pytest.raises(RuntimeError, match="outside strategy.run"):
+        strategy.run(lambda: checkpoint.save(shared_dir))
+    with pytest.raises(RuntimeError, match="inside `with strategy.scope"):
+        Checkpoint(table=np.zeros(2)).save(shared_dir)
+    with pytest.raises(TypeError, match="'name' is a str"):
+        Checkpoint(name="text")
+
+
+@pytest.mark.gpu
+def test_gpu_components_save_and_restore(shared_dir):
+    s = mpidist.MPIStrategy(device="gpu")
+    try:
+        model = build(s, fill=True)
+        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+        model = build(s, fill=False)
+        assert type(model["weights"].values[0]).__module__.startswith("cupy")
+        Checkpoint(**model).restore(shared_dir)
+        for name in ("weights", "total", "count", "mean", "first"):
+            model[name] = _HostView(model[name])
+        check_restored(s, model, s.num_replicas_in_sync)
+    finally:
+        s.free()
+
+
+class _HostView:
+    """A variable whose ``values`` are host copies (for comparisons) and which still reads collectively."""
+
+    def __init__(self, variable) -> None:
+        self._variable = variable
+        self.values = (variable.values[0].get(),)
+
+    def numpy(self):
+        return self._variable.numpy()

@@ -1,0 +1,425 @@
+"""Checkpoint format, checksums, atomicity and the inspect command, without an MPI test run.
+
+Checkpoints are written in this process by a one-rank strategy over COMM_SELF; the
+atomicity tests start real ``mpiexec`` jobs (tests/samples/checkpoint_save_job.py) and kill
+their ranks with SIGKILL in the middle of a save.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mpidist
+from mpidist import _ckpt_format as fmt
+from mpidist._checkpoint import Checkpoint, read_checkpoint
+from mpidist._cli import main as cli
+from mpidist._errors import CheckpointError, ChecksumError
+from mpirun import run_mpi
+
+JOB = Path(__file__).resolve().parent / "samples" / "checkpoint_save_job.py"
+TIMEOUT = 60
+
+
+class Position:
+    """Iterator-like test object: get_state/set_state of a JSON dict."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def get_state(self) -> dict:
+        return {"position": self.position, "epoch": 2}
+
+    def set_state(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    from mpi4py import MPI
+
+    s = mpidist.MPIStrategy(comm=MPI.COMM_SELF, device="cpu")
+    yield s
+    s.free()
+
+
+EXPECTED = {
+    "weights": np.arange(15, dtype=np.float32).reshape(3, 5) / 7,
+    "counter": np.array([3, -4, 5], dtype=np.int64),
+    "table": np.arange(12, dtype=np.int16).reshape(2, 3, 2),
+    "empty": np.zeros((0, 4), np.float64),
+}
+
+
+def make_checkpoint(strategy, path, chunk_bytes=32, **save_options):
+    """Save EXPECTED (plus a Position at 7) into ``path``; returns the Checkpoint and the save's directory."""
+    with strategy.scope():
+        weights = mpidist.Variable(EXPECTED["weights"], name="weights")
+        counter = mpidist.Variable(EXPECTED["counter"], name="counter", synchronization="on_read",
+                                   aggregation="sum")
+    checkpoint = Checkpoint(weights=weights, counter=counter, table=EXPECTED["table"].copy(),
+                            empty=EXPECTED["empty"].copy(), position=Position(7))
+    return checkpoint, Path(checkpoint.save(path, chunk_bytes=chunk_bytes, **save_options))
+
+
+def assert_expected(arrays):
+    assert sorted(arrays) == sorted(EXPECTED)
+    for name, value in EXPECTED.items():
+        assert arrays[name].dtype == value.dtype and arrays[name].shape == value.shape, name
+        np.testing.assert_array_equal(arrays[name], value)
+
+
+def data_file(save_dir, name):
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
+    entry = next(e for e in manifest["entries"] if e["name"] == name)
+    return save_dir / entry["file"], entry
+
+
+# -- work split ------------------------------------------------------------------------------
+@given(sizes=st.lists(st.integers(0, 3000), max_size=7), nranks=st.integers(1, 9),
+       chunk=st.sampled_from([1, 8, 64, 1000]), alone=st.lists(st.booleans(), min_size=7, max_size=7))
+def test_share_ranges_cover_each_entry_in_rank_order_and_balance(sizes, nranks, chunk, alone):
+    alone = alone[:len(sizes)]
+    ranges = fmt.share_ranges(sizes, nranks, chunk, rank0_only=alone)
+    assert len(ranges) == len(sizes)
+    per_rank = [0] * nranks
+    for size, fixed, shares in zip(sizes, alone, ranges):
+        assert len(shares) == nranks
+        assert shares[0][0] == 0 and shares[-1][1] == size
+        for (lo, hi), (next_lo, _) in zip(shares, shares[1:]):
+            assert lo <= hi == next_lo
+        for lo, hi in shares:
+            assert lo == size or lo % chunk == 0
+            assert lo <= hi
+        if fixed:
+            assert shares[0] == (0, size)
+        else:
+            for r, (lo, hi) in enumerate(shares):
+                per_rank[r] += hi - lo
+    total = sum(s for s, f in zip(sizes, alone) if not f)
+    assert sum(per_rank) == total
+    assert max(per_rank) <= total / nranks + chunk
+
+
+def test_share_ranges_spread_one_large_array_evenly():
+    ranges = fmt.share_ranges([256 << 20], 3, 8 << 20)[0]
+    sizes = [hi - lo for lo, hi in ranges]
+    assert sum(sizes) == 256 << 20 and max(sizes) - min(sizes) <= 8 << 20
+
+
+# -- files a plain NumPy reads ----------------------------------------------------------------
+def test_files_are_plain_npy_and_the_manifest_plain_json(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    assert save_dir == tmp_path / "ckpt" / "ckpt-000001"
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
+    assert manifest["world_size"] == 1 and manifest["checksum"] == "crc32" and manifest["format_version"] == 1
+    entries = {e["name"]: e for e in manifest["entries"]}
+    assert entries["position"] == {"name": "position", "kind": "state", "state": {"position": 7, "epoch": 2}}
+    assert entries["counter"]["aggregation"] == "sum" and entries["counter"]["kind"] == "sync_on_read"
+    assert entries["weights"]["kind"] == "mirrored" and entries["table"]["kind"] == "array"
+    for name, value in EXPECTED.items():
+        path = save_dir / entries[name]["file"]
+        assert entries[name]["shape"] == list(value.shape) and np.dtype(entries[name]["dtype"]) == value.dtype
+        loaded = np.load(path, allow_pickle=False)
+        np.testing.assert_array_equal(loaded, value)
+        assert loaded.dtype == value.dtype
+        data = path.read_bytes()[entries[name]["data_offset"]:]
+        chunks = [data[i:i + manifest["chunk_bytes"]] for i in range(0, len(data), manifest["chunk_bytes"])]
+        assert entries[name]["chunk_crc32"] == [zlib.crc32(c) for c in chunks]
+
+
+def test_read_checkpoint_returns_every_array_without_a_strategy(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    assert_expected(read_checkpoint(tmp_path / "ckpt"))
+    assert_expected(read_checkpoint(save_dir))
+    assert_expected(read_checkpoint(save_dir, verify=False))
+
+
+def test_loading_never_unpickles(strategy, tmp_path, monkeypatch):
+    checkpoint, _ = make_checkpoint(strategy, tmp_path / "ckpt")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a checkpoint load tried to unpickle")
+
+    real_load = np.load
+
+    def numpy_load(*args, **kwargs):
+        assert kwargs.get("allow_pickle") is False
+        return real_load(*args, **kwargs)
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    monkeypatch.setattr(np, "load", numpy_load)
+    assert_expected(read_checkpoint(tmp_path / "ckpt"))
+    assert_expected(read_checkpoint(tmp_path / "ckpt", verify=False))
+    position = checkpoint.items["position"]
+    position.position = 0
+    checkpoint.items["table"][...] = 0
+    checkpoint.restore(tmp_path / "ckpt")
+    assert position.position == 7
+    np.testing.assert_array_equal(checkpoint.items["table"], EXPECTED["table"])
+
+
+class _Payload:
+    """Unpickling this creates a marker file: proof that code from a file ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_manifest_asking_for_object_arrays_is_refused_before_any_code_runs(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    marker = tmp_path / "code-ran"
+    path, entry = data_file(save_dir, "table")
+    np.save(path, np.array([_Payload(marker)], dtype=object), allow_pickle=True)
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
+    for e in manifest["entries"]:
+        if e["name"] == "table":
+            e.update(dtype="|O", shape=[1], nbytes=8, chunk_crc32=[0])
+    (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))  # a consistent, hostile manifest
+    for verify in (True, False):
+        with pytest.raises(ChecksumError, match="malformed manifest.*object"):
+            read_checkpoint(save_dir, verify=verify)
+    assert not marker.exists()
+
+
+def test_a_data_file_replaced_by_a_pickle_is_a_checksum_error(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    marker = tmp_path / "code-ran"
+    path, _ = data_file(save_dir, "weights")
+    np.save(path, np.array([_Payload(marker)], dtype=object), allow_pickle=True)
+    with pytest.raises(ChecksumError, match="weights"):
+        read_checkpoint(save_dir)
+    with pytest.raises(ValueError, match="allow_pickle"):
+        read_checkpoint(save_dir, verify=False)
+    assert not marker.exists()
+
+
+def test_a_file_name_outside_the_save_is_refused(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
+    manifest["entries"][0]["file"] = "../../outside.npy"
+    (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))
+    with pytest.raises(ChecksumError, match="not a plain .npy name"):
+        read_checkpoint(save_dir)
+
+
+# -- damage is detected and named ----------------------------------------------------------------
+def test_a_flipped_byte_is_a_checksum_error_naming_file_and_variable(strategy, tmp_path, capsys):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    path, entry = data_file(save_dir, "weights")
+    data = bytearray(path.read_bytes())
+    data[entry["data_offset"] + 41] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError) as info:
+        read_checkpoint(tmp_path / "ckpt")
+    assert str(path) in str(info.value) and "'weights'" in str(info.value) and "chunk 1" in str(info.value)
+    assert info.value.file == str(path) and info.value.entry == "weights"
+    report = fmt.inspect(tmp_path / "ckpt")
+    assert not report.ok and list(report.problems) == ["weights"]
+    assert cli(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and str(path) in out
+
+
+def test_a_truncated_file_is_detected(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    path, entry = data_file(save_dir, "table")
+    os.truncate(path, entry["data_offset"] + entry["nbytes"] - 3)
+    with pytest.raises(ChecksumError, match=r"table.*(truncated|bytes, expected)"):
+        read_checkpoint(save_dir)
+
+
+def test_a_damaged_header_is_detected(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    path, _ = data_file(save_dir, "counter")
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="header of 'counter'"):
+        read_checkpoint(save_dir)
+
+
+def test_an_altered_or_missing_file_is_detected(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    manifest_path = save_dir / fmt.MANIFEST
+    original = manifest_path.read_text()
+    manifest_path.write_text(original.replace('"world_size": 1', '"world_size": 2'))
+    with pytest.raises(ChecksumError, match="manifest.json.*does not match its checksum"):
+        read_checkpoint(save_dir)
+    manifest_path.write_text(original[: len(original) // 2])
+    with pytest.raises(ChecksumError, match="not a valid manifest"):
+        read_checkpoint(save_dir)
+    manifest_path.write_text(original)
+    path, _ = data_file(save_dir, "table")
+    path.unlink()
+    with pytest.raises(ChecksumError, match="missing"):
+        read_checkpoint(save_dir)
+
+
+def test_restore_checks_before_it_modifies(strategy, tmp_path):
+    checkpoint, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    path, entry = data_file(save_dir, "weights")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    table, position = checkpoint.items["table"], checkpoint.items["position"]
+    table[...] = -1
+    position.position = -1
+    with pytest.raises(ChecksumError, match="nothing was modified.*weights"):
+        checkpoint.restore(tmp_path / "ckpt")
+    assert (table == -1).all() and position.position == -1
+
+
+# -- saves, keep, leftovers ------------------------------------------------------------------------
+def test_keep_the_newest_saves_and_read_older_ones(strategy, tmp_path):
+    table = np.zeros(4, np.int32)
+    checkpoint = Checkpoint(table=table)
+    with strategy.scope():
+        for k in range(1, 5):
+            table[...] = k
+            checkpoint.save(tmp_path / "ckpt", keep=2)
+    versions = fmt.list_versions(tmp_path / "ckpt")
+    assert [v.name for v in versions] == ["ckpt-000003", "ckpt-000004"]
+    assert (read_checkpoint(tmp_path / "ckpt")["table"] == 4).all()
+    assert (read_checkpoint(versions[0])["table"] == 3).all()
+    with strategy.scope():
+        checkpoint.restore(versions[0])
+    assert (table == 3).all()
+
+
+def test_leftovers_of_a_killed_save_are_ignored_then_removed(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    leftover = tmp_path / "ckpt" / ".tmp-ckpt-000002-deadbeef"
+    leftover.mkdir()
+    (leftover / "0000-weights.npy").write_bytes(b"partial")
+    assert fmt.resolve(tmp_path / "ckpt") == save_dir
+    assert_expected(read_checkpoint(tmp_path / "ckpt"))
+    _, newer = make_checkpoint(strategy, tmp_path / "ckpt", keep=5)
+    assert newer.name == "ckpt-000003" and not leftover.exists()
+
+
+def test_save_refuses_a_directory_that_is_not_a_checkpoint(strategy, tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "notes.txt").write_text("mine")
+    with strategy.scope(), pytest.raises(CheckpointError, match="notes.txt"):
+        Checkpoint(table=np.zeros(2)).save(tmp_path / "results")
+    assert (tmp_path / "results" / "notes.txt").read_text() == "mine"
+
+
+def test_restore_of_a_missing_checkpoint_is_file_not_found(strategy, tmp_path):
+    with strategy.scope(), pytest.raises(FileNotFoundError, match="does not exist"):
+        Checkpoint(table=np.zeros(2)).restore(tmp_path / "nothing")
+
+
+# -- the inspect command ----------------------------------------------------------------------------
+def test_inspect_lists_names_shapes_dtypes_world_size_and_verifies(strategy, tmp_path, capsys):
+    make_checkpoint(strategy, tmp_path / "ckpt")
+    assert cli(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "on 1 rank;" in out and "every checksum matches" in out
+    for text in ("weights", "mirrored", "(3, 5)", "float32", "counter", "sync_on_read", "sum", "int64",
+                 "table", "(2, 3, 2)", "int16", "position", '"position": 7'):
+        assert text in out, text
+    assert cli(["checkpoint", "inspect", "--json", "--no-verify", str(tmp_path / "ckpt")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and not report["verified"] and report["manifest"]["world_size"] == 1
+
+
+def test_inspect_all_and_exit_statuses(strategy, tmp_path, capsys):
+    make_checkpoint(strategy, tmp_path / "ckpt", keep=3)
+    make_checkpoint(strategy, tmp_path / "ckpt", keep=3)
+    assert cli(["checkpoint", "inspect", "--all", str(tmp_path / "ckpt")]) == 0
+    assert capsys.readouterr().out.count("checkpoint ") == 2
+    assert cli(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["checkpoint"])
+    assert exit_info.value.code == 2
+
+
+def test_python_m_mpidist_checkpoint_inspect(strategy, tmp_path):
+    _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    run = [sys.executable, "-m", "mpidist", "checkpoint", "inspect"]
+    ok = subprocess.run([*run, str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=TIMEOUT)
+    assert ok.returncode == 0 and "every checksum matches" in ok.stdout, ok.stderr
+    path, entry = data_file(save_dir, "table")
+    data = bytearray(path.read_bytes())
+    data[entry["data_offset"]] ^= 1
+    path.write_bytes(bytes(data))
+    bad = subprocess.run([*run, str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=TIMEOUT)
+    assert bad.returncode == 1 and str(path) in bad.stdout
+    for argv in (["--help"], ["checkpoint", "--help"], ["checkpoint", "inspect", "--help"]):
+        shown = subprocess.run([sys.executable, "-m", "mpidist", *argv], capture_output=True, text=True,
+                               timeout=TIMEOUT)
+        assert shown.returncode == 0 and "usage: python -m mpidist" in shown.stdout
+
+
+# -- saves killed with SIGKILL ----------------------------------------------------------------------
+def assert_complete_save(path, k=None):
+    """The save at ``path`` verifies and all its entries belong to one save k; returns k."""
+    arrays = read_checkpoint(path)
+    manifest = fmt.read_manifest(fmt.resolve(path))
+    position = next(e for e in manifest["entries"] if e["name"] == "position")["state"]["position"]
+    if k is not None:
+        assert position == k
+    assert (arrays["weights"] == position).all()
+    assert int(arrays["counter"]) == 10 * position
+    assert fmt.inspect(path).ok
+    return position
+
+
+@pytest.mark.parametrize("mode", ["kill-during-write", "kill-before-commit"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mode):
+    path = tmp_path / "ckpt"
+    result = run_mpi(2, [sys.executable, str(JOB), str(path), mode], timeout=TIMEOUT)
+    assert result.returncode not in (0, 3, None), result.describe()
+    assert [v.name for v in fmt.list_versions(path)] == ["ckpt-000001"], result.describe()
+    leftovers = [p.name for p in path.iterdir() if p.name.startswith(fmt.TMP_PREFIX)]
+    assert len(leftovers) == 1, leftovers  # the killed save's temporary directory
+    if mode == "kill-before-commit":
+        assert (path / leftovers[0] / fmt.MANIFEST).is_file()  # complete, but never renamed
+    assert_complete_save(path, k=1)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.13])
+def test_saves_killed_from_outside_at_any_moment_leave_a_verified_checkpoint(tmp_path, delay):
+    path = tmp_path / "ckpt"
+    pids = Path(str(path) + ".pids")
+    outcome = {}
+    job = threading.Thread(target=lambda: outcome.update(
+        result=run_mpi(2, [sys.executable, str(JOB), str(path), "loop"], timeout=TIMEOUT)))
+    job.start()
+    deadline = time.monotonic() + TIMEOUT / 2
+    # wait until save 2 or later is being written, then kill both ranks at once
+    while time.monotonic() < deadline and job.is_alive():
+        if len(list(pids.glob("rank*"))) == 2 and any(p.name.startswith(fmt.TMP_PREFIX) for p in path.iterdir()):
+            break
+        time.sleep(0.002)
+    time.sleep(delay)
+    for pid_file in pids.glob("rank*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.join(TIMEOUT)
+    result = outcome["result"]
+    assert result.returncode not in (0, 3, None), result.describe()
+    # keep=2, plus one more when the kill came between the commit and the removal of the oldest
+    assert 1 <= len(fmt.list_versions(path)) <= 3
+    assert assert_complete_save(path) >= 1
