@@ -1,0 +1,74 @@
+"""Two-level (hierarchical) reductions: within each node, across node leaders, within each node.
+
+On a multi-node run most of a flat allreduce's traffic can stay inside the
+nodes: the ranks of a node first reduce onto their node leader over a
+shared-memory communicator, the leaders allreduce among themselves (one rank
+per node on the network), and each leader broadcasts the result back within its
+node. The result equals the flat algorithm's up to the order in which floating
+point numbers are added (exactly, for integers).
+
+``node_size`` forces the grouping (every ``node_size`` consecutive ranks form a
+"node"), so the algorithm can be tried and tested on one machine. Part of the
+comm layer: only :class:`~mpidist._comm.Communicator` uses it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from mpidist._comm import Communicator
+
+__all__ = ["Hierarchy"]
+
+
+class Hierarchy:
+    """The node and node-leader communicators of a communicator.
+
+    Collective construction over ``comm``; :meth:`free` (collective) releases them.
+
+    Args:
+        comm: the communicator whose ranks are grouped.
+        node_size: ranks per node; 0 groups the ranks that share memory.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, node_size: int = 0) -> None:
+        if node_size:
+            self.node = comm.Split(comm.rank // node_size, comm.rank)
+        else:
+            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        self.is_leader = self.node.rank == 0
+        self.leaders = comm.Split(0 if self.is_leader else MPI.UNDEFINED, comm.rank)
+        self.num_nodes: int = comm.allreduce(int(self.is_leader))
+
+    def free(self) -> None:
+        """Collective: release the node and leader communicators."""
+        for c in (self.leaders, self.node):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+    def allreduce(self, comm: "Communicator", what: str, send: Any, recv: Any, op: MPI.Op) -> None:
+        """Collective over ``comm``: ``recv`` <- the reduction of every rank's ``send`` (``recv`` if ``None``)."""
+        self._reduce_to_leader(comm, what, send, recv, op, blocking=True)
+        self.complete(comm, what, recv, op)
+
+    def start(self, comm: "Communicator", send: Any, recv: Any, op: MPI.Op) -> MPI.Request:
+        """Collective, nonblocking first stage (the reduction within the node); finish with :meth:`complete`."""
+        return self._reduce_to_leader(comm, "", send, recv, op, blocking=False)
+
+    def complete(self, comm: "Communicator", what: str, recv: Any, op: MPI.Op) -> None:
+        """Collective: the leaders' allreduce of ``recv``, then the broadcast within each node (blocking)."""
+        if self.is_leader and self.leaders.size > 1:
+            comm._run(what, "Allreduce", MPI.IN_PLACE, recv, op, comm=self.leaders)
+        comm._run(what, "Bcast", recv, 0, comm=self.node)
+
+    def _reduce_to_leader(self, comm: "Communicator", what: str, send: Any, recv: Any, op: MPI.Op,
+                          blocking: bool) -> Any:
+        if self.is_leader:
+            args = (MPI.IN_PLACE if send is None else send, recv, op, 0)
+        else:
+            args = (recv if send is None else send, None, op, 0)
+        if blocking:
+            return comm._run(what, "Reduce", *args, comm=self.node)
+        return comm._start("Reduce", *args, comm=self.node)

@@ -1,0 +1,249 @@
+"""Fused, pipelined and nonblocking reductions give what a plain reduction gives (1, 2 and 3 ranks).
+
+Expected values come from rank and size (``contribution``/``expected`` of
+test_comm), and every fused result is also compared with one plain
+``Communicator.allreduce`` per array. Small ``pipeline_bytes`` and
+``fusion_bytes`` make a few arrays exercise every path: buckets of packed
+arrays, arrays reduced where they are in several pieces, and runs of arrays that
+lie back to back in one buffer. Every rank makes the same calls in the same order.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidist as md
+from arrays import assert_equal, host
+from mpidist import CollectiveMismatchError, MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
+from mpidist._comm import Communicator
+from mpidist._flat import FlatStore, joinable
+from mpidist._fusion import Fusion
+from mpidist._options import Options
+from test_comm import NUMERIC, contribution, defined, expected
+
+pytestmark = pytest.mark.mpi
+
+DTYPES = ["bool"] + NUMERIC
+SHAPES = [(), (3,), (0,), (2, 5), (700,), (9, 31)]  # small, empty, and several pieces of 1 KiB
+OPS = ["sum", "mean", "min", "max", "prod", None]  # None: rank 0's value
+
+
+@pytest.fixture(scope="module")
+def fusion():
+    comm = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024, fusion_bytes=256))
+    yield Fusion(comm)
+    comm.free()
+
+
+def plain(comm: Communicator, array: np.ndarray, op) -> np.ndarray:
+    if op is None:
+        return comm.broadcast(array.copy(), root=0)
+    return comm.allreduce(array, op)
+
+
+def applicable(op, dtype: str) -> bool:
+    return op is None or (defined(op, dtype) and not (dtype == "bool" and op == "mean"))
+
+
+def inputs(comm: Communicator, dtype: str, flat: bool) -> list[np.ndarray]:
+    """This rank's arrays of SHAPES; with ``flat`` they lie back to back in one buffer."""
+    arrays = [contribution(comm.rank, shape, dtype) for shape in SHAPES]
+    if not flat:
+        return arrays
+    store = FlatStore(np, chunk_bytes=1 << 20)
+    placed = [store.zeros(a.shape, a.dtype) for a in arrays]
+    for p, a in zip(placed, arrays):
+        p[...] = a
+    return placed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_reduce_apply_matches_plain_reduction(fusion, dtype, flat, in_place):
+    comm = fusion._comm
+    for op in [o for o in OPS if applicable(o, dtype)]:
+        reduce_op = None if op is None else ReduceOp.of(op)
+        for _ in range(2):
+            sends = inputs(comm, dtype, flat)
+            before = [s.copy() for s in sends]
+            targets = inputs(comm, dtype, flat)
+            if flat:  # back to back, except around the empty array (numpy moves its pointer)
+                assert [joinable(a, b) for a, b in zip(targets, targets[1:])] == [True, False, False, True, True]
+            fusion.reduce_apply(sends, targets, [reduce_op] * len(sends), lambda t, r: t.__setitem__(Ellipsis, r),
+                                [f"a{i}" for i in range(len(sends))], in_place)
+            for i, (send, target) in enumerate(zip(sends, targets)):
+                want = plain(comm, before[i], op)
+                np.testing.assert_array_equal(target, want, err_msg=f"{op} array {i}")
+                np.testing.assert_array_equal(send, want if in_place else before[i])
+
+
+def test_reduce_apply_mixed_ops_and_dtypes(fusion):
+    comm = fusion._comm
+    n = comm.size
+    specs = [("float32", ReduceOp.MEAN), ("int64", ReduceOp.SUM), ("float32", ReduceOp.SUM), ("float64", None),
+             ("float32", ReduceOp.MEAN), ("int64", ReduceOp.SUM)]
+    for _ in range(2):
+        sends = [contribution(comm.rank, (300,), dt) for dt, _ in specs]
+        targets = [np.ones(300, dt) for dt, _ in specs]
+        fusion.reduce_apply(sends, targets, [op for _, op in specs], lambda t, r: t.__iadd__(r), list("abcdef"))
+        for (dt, op), target in zip(specs, targets):
+            want = 1 + (contribution(0, (300,), dt) if op is None else expected(op.value, n, (300,), dt))
+            np.testing.assert_array_equal(target, want.astype(dt))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
+    comm = fusion._comm
+    for op in [o for o in OPS if o is not None and applicable(o, dtype)]:
+        for _ in range(2):
+            arrays = [contribution(comm.rank, shape, dtype) for shape in SHAPES]
+            want = [plain(comm, a, op) for a in arrays]
+            got = fusion.allreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))])
+            handle = fusion.iallreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))])
+            for a in arrays:
+                a[...] = 0  # the nonblocking call copied its inputs when it started
+            later = handle.wait()
+            for g, l, w in zip(got, later, want):
+                assert g.shape == w.shape and g.dtype == w.dtype
+                np.testing.assert_array_equal(g, w)
+                np.testing.assert_array_equal(l, w)
+            assert handle.test() and handle.wait() is later
+
+
+def test_fused_mismatch_names_the_array_and_modifies_nothing(fusion):
+    comm = fusion._comm
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    sends = [np.ones(3), np.ones(4 + comm.rank % 2), np.ones(2)]
+    targets = [np.zeros(s.shape) for s in sends]
+    with pytest.raises(CollectiveMismatchError) as info:
+        fusion.reduce_apply(sends, targets, [ReduceOp.SUM] * 3, lambda t, r: t.__iadd__(r), ["w", "b", "c"])
+    message = str(info.value)
+    assert "array #1" in message and "'b' sum float64[4]" in message and "'b' sum float64[5]" in message
+    assert all((t == 0).all() for t in targets)
+    with pytest.raises((TypeError, CollectiveMismatchError)) as info:  # an invalid array on the last rank
+        bad = np.ones((4, 4))[:, ::2] if comm.rank == comm.size - 1 else np.ones((4, 2))
+        fusion.allreduce_many([np.ones(2), bad], ReduceOp.SUM, ["ok", "strided"])
+    if comm.rank == comm.size - 1:
+        assert isinstance(info.value, TypeError) and "'strided'" in str(info.value)
+    else:
+        assert "could not take part" in str(info.value)
+    np.testing.assert_array_equal(fusion.allreduce_many([np.ones(1), np.ones(2)], ReduceOp.SUM, ["x", "y"])[1],
+                                  [comm.size] * 2)  # still in step
+
+
+# -- the strategy's fused paths ----------------------------------------------------------------
+@pytest.fixture(scope="module", params=[False, True], ids=["arrays", "flat"])
+def strategy(request):
+    s = MPIStrategy(device="cpu", flat_variables=request.param, pipeline_bytes=2048, fusion_bytes=512)
+    yield s
+    s.free()
+
+
+def reduced(n: int, dtype: str, shape, agg: Agg) -> np.ndarray:
+    """What ``n`` ranks' contributions aggregate to."""
+    if agg is Agg.ONLY_FIRST_REPLICA:
+        return contribution(0, shape, dtype)
+    return expected("sum" if agg is Agg.SUM else "mean", n, shape, dtype)
+
+
+def assert_identical_on_all_ranks(strategy, arrays):
+    raw = np.concatenate([np.frombuffer(host(a).tobytes(), dtype=np.uint8) for a in arrays])
+    rows = strategy.gather(md.PerReplica({strategy.rank: raw[None, :]}))
+    assert all((row == rows[0]).all() for row in rows)
+
+
+@pytest.mark.parametrize("fn", ["assign_add", "assign_sub", "assign", "scaled"])
+def test_batch_update_equals_one_update_per_variable(strategy, fn):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    specs = [("float32", (5, 7), Agg.MEAN), ("float64", (), Agg.SUM), ("int32", (3,), Agg.SUM),
+             ("float32", (900,), Agg.MEAN), ("float16", (4,), Agg.ONLY_FIRST_REPLICA), ("complex64", (2, 2), Agg.SUM),
+             ("float32", (11,), Agg.MEAN), ("int64", (1000,), Agg.SUM)]
+    update = (lambda w, g: w.__isub__(g * 2)) if fn == "scaled" else fn
+    with strategy.scope():
+        fused = [Variable(contribution(0, shape, dt), aggregation=agg, name=f"v{i}") for i, (dt, shape, agg) in
+                 enumerate(specs)]
+        single = [Variable(contribution(0, shape, dt), aggregation=agg, name=f"s{i}") for i, (dt, shape, agg) in
+                  enumerate(specs)]
+        grads = strategy.flat_zeros_like(fused)
+        if strategy.options.flat_variables:
+            assert all(joinable(a._component, b._component) for a, b in zip(fused[:4], fused[1:4]) if a.dtype == b.dtype)
+        for _ in range(2):
+            for g, (dt, shape, _) in zip(grads, specs):
+                g[...] = contribution(r, shape, dt)
+            for v, g in zip(single, grads):
+                strategy.run(lambda: strategy.batch_update([(v, g)], update))
+            assert strategy.run(lambda: strategy.batch_update(zip(fused, grads), update)) == fused
+            for v, s, g, (dt, shape, _) in zip(fused, single, grads, specs):
+                assert_equal(v._component, s._component)
+                assert_equal(g, contribution(r, shape, dt))
+            assert_identical_on_all_ranks(strategy, [v._component for v in fused])
+            copies = [g.copy() for g in grads]
+            strategy.run(lambda: strategy.batch_update(zip(fused, grads), update, in_place=True))
+            strategy.run(lambda: strategy.batch_update(zip(single, copies), update))
+            for v, s, g, (dt, shape, agg) in zip(fused, single, grads, specs):
+                assert_equal(v._component, s._component)
+                assert_equal(g, reduced(n, dt, shape, agg))  # in_place: the values now hold their aggregates
+    if fn == "assign_add":  # and against the values derived from rank and size
+        for v, (dt, shape, agg) in zip(fused, specs):
+            assert_equal(v._component, (contribution(0, shape, dt) + 4 * reduced(n, dt, shape, agg)).astype(dt))
+
+
+def test_batch_update_errors_name_the_variable(strategy):
+    with strategy.scope():
+        a = Variable(np.zeros(2), aggregation=Agg.SUM, name="a_ok")
+        b = Variable(np.zeros(2), name="b_no_aggregation")
+        c = Variable(np.zeros(3, np.int64), aggregation=Agg.SUM, name="c_int")
+        with pytest.raises(ValueError, match="'b_no_aggregation' in replica context needs an aggregation"):
+            strategy.run(lambda: strategy.batch_update([(a, np.ones(2)), (b, np.ones(2))]))
+        with pytest.raises(TypeError, match="'c_int' has integer dtype"):
+            strategy.run(lambda: strategy.batch_update([(a, np.ones(2)), (c, np.ones(3) / 2)]))
+        strategy.batch_update([(a, np.ones(2)), (b, np.full(2, 3.0))])  # cross-replica: as given
+        assert_equal(a._component, [1.0, 1.0])
+        assert_equal(b._component, [3.0, 3.0])
+        if strategy.num_replicas_in_sync > 1:
+            with pytest.raises(CollectiveMismatchError, match="'c_int'"):
+                pairs = [(a, np.ones(2)), (c, np.ones(3, np.int64))] if strategy.rank else [(a, np.ones(2)),
+                                                                                          (a, np.ones(2))]
+                strategy.run(lambda: strategy.batch_update(pairs))
+            assert_equal(a._component, [1.0, 1.0])  # nothing was modified
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "complex128"])
+def test_fused_reduce_of_a_nest_and_async(strategy, dtype):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    nest = {"a": [md.PerReplica({r: contribution(r, (700,), dtype)}), contribution(r, (3, 2), dtype)],
+            "b": md.Mirrored({r: np.ones(4, dtype)}), "c": 2}
+    for op in ("sum", "mean"):
+        want = {"a": [strategy.reduce(op, nest["a"][0]), strategy.reduce(op, nest["a"][1])],
+                "b": strategy.reduce(op, nest["b"]), "c": strategy.reduce(op, 2)}
+        got = strategy.reduce(op, nest)
+        handle = strategy.reduce_async(op, nest)
+
+        def in_replica():
+            return md.get_replica_context().all_reduce(op, {"a": [nest["a"][0].get(), nest["a"][1]],
+                                                            "b": nest["b"], "c": 2})
+
+        with strategy.scope():
+            replica = strategy.run(in_replica)
+        later = handle.wait()
+        for result in (got, later):
+            for key, path in (("a", 0), ("a", 1)):
+                assert_equal(result[key][path], want[key][path])
+            assert_equal(result["b"], want["b"])
+            assert_equal(result["c"], want["c"])
+        assert_equal(replica["a"][0].get(), want["a"][0])
+        assert_equal(want["b"], np.full(4, n if op == "sum" else 1))
+
+
+def test_flat_variables_stay_ordinary(strategy):
+    with strategy.scope():
+        v = Variable(np.arange(6.0).reshape(2, 3), aggregation=Agg.MEAN, name="ordinary")
+        v.assign_add(np.ones((2, 3)))
+        strategy.run(lambda: v.assign_sub(np.ones((2, 3))))
+    assert v.shape == (2, 3) and v.dtype == np.float64 and v._component.flags.c_contiguous
+    assert_equal(v.numpy(), np.arange(6.0).reshape(2, 3))
+    assert_equal(v + 1, np.arange(6.0).reshape(2, 3) + 1)
+    assert (v._component.base is not None) == strategy.options.flat_variables

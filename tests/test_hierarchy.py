@@ -1,0 +1,97 @@
+"""The hierarchical (two-level) allreduce gives what the flat one gives (1, 2 and 3 ranks).
+
+A forced ``node_size`` groups consecutive ranks into "nodes" on one machine:
+1 (every rank its own node: the leaders do all the work), 2 (at 3 ranks a node
+of two and a node of one) and 0 (the real shared-memory node: all ranks). Each
+case runs blocking, pipelined (pieces of 1 KiB), nonblocking, fused, and with
+a timeout (the polled path). Values are small integers, so every summation
+order gives the same bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
+from mpidist._comm import Communicator
+from mpidist._fusion import Fusion
+from mpidist._hierarchy import Hierarchy
+from mpidist._options import Options
+from test_comm import NUMERIC, contribution, defined, expected
+
+pytestmark = pytest.mark.mpi
+
+OPS_DTYPES = [(op, dt) for op in ("sum", "mean", "max", "prod") for dt in ["bool"] + NUMERIC
+              if defined(op, dt) and not (dt == "bool" and op == "mean")]
+
+
+@pytest.fixture(scope="module")
+def flat():
+    c = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024))
+    yield c
+    c.free()
+
+
+@pytest.fixture(scope="module", params=[1, 2, 0], ids=["node1", "node2", "shared"])
+def hier(request):
+    c = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024, hierarchical=True, node_size=request.param))
+    yield c
+    c.free()
+
+
+def test_groups_follow_the_forced_node_size(hier):
+    h = hier._hierarchy
+    k = hier.options.node_size or hier.size  # one machine: the shared-memory node holds every rank
+    assert h.num_nodes == -(-hier.size // k)
+    assert h.node.size == min(k, hier.size - (hier.rank // k) * k) and h.node.rank == hier.rank % k
+    assert h.is_leader == (hier.rank % k == 0)
+    assert (h.leaders != MPI.COMM_NULL) == h.is_leader
+
+
+@pytest.mark.parametrize("op,dtype", OPS_DTYPES)
+def test_hierarchical_equals_flat(flat, hier, op, dtype):
+    for shape in [(), (5,), (37, 101)]:  # one call; several pieces with a ragged last one
+        want = flat.allreduce(contribution(flat.rank, shape, dtype), op)
+        np.testing.assert_array_equal(want, expected(op, flat.size, shape, dtype) if dtype != "bool" else want)
+        for _ in range(2):
+            np.testing.assert_array_equal(hier.allreduce(contribution(hier.rank, shape, dtype), op), want)
+            inplace = contribution(hier.rank, shape, dtype)
+            hier.allreduce(inplace, op, inplace=True)
+            np.testing.assert_array_equal(inplace, want)
+            np.testing.assert_array_equal(hier.iallreduce(contribution(hier.rank, shape, dtype), op).wait(), want)
+
+
+def test_hierarchical_fused_paths(flat, hier):
+    fused = Fusion(hier)
+    arrays = [contribution(hier.rank, shape, "float32") for shape in [(3,), (600,), (), (2, 2)]]
+    want = [flat.allreduce(a, "mean") for a in arrays]
+    for _ in range(2):
+        for got in (fused.allreduce_many(arrays, ReduceOp.MEAN, list("abcd")),
+                    fused.iallreduce_many(arrays, ReduceOp.MEAN, list("abcd")).wait()):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+        targets = [np.zeros_like(a) for a in arrays]
+        fused.reduce_apply(arrays, targets, [ReduceOp.MEAN] * 4, lambda t, r: t.__iadd__(r), list("abcd"))
+        for t, w in zip(targets, want):
+            np.testing.assert_array_equal(t, w)
+
+
+def test_hierarchical_with_timeout_and_strategy():
+    s = MPIStrategy(device="cpu", hierarchical=True, node_size=2, timeout=30.0, pipeline_bytes=1024)
+    n, r = s.num_replicas_in_sync, s.rank
+    with s.scope():
+        v = Variable(np.zeros(1000), aggregation=Agg.MEAN, name="h")
+        for _ in range(2):
+            s.run(lambda: v.assign_add(contribution(r, (1000,), "float64")))
+    np.testing.assert_array_equal(v.numpy(), 2 * expected("mean", n, (1000,), "float64"))
+    np.testing.assert_array_equal(s.reduce("sum", np.arange(700, dtype=np.int64)), n * np.arange(700))
+    s.free()
+
+
+def test_free_releases_the_sub_communicators():
+    base = MPI.COMM_WORLD.Dup()
+    h = Hierarchy(base, node_size=1)
+    h.free()
+    assert h.node == MPI.COMM_NULL and h.leaders == MPI.COMM_NULL
+    base.Free()
