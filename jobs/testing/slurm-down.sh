@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Stop a cluster started by jobs/testing/slurm-up.sh and delete its state folder.
+#
+#   bash jobs/testing/slurm-down.sh STATE_DIR      # the folder slurm-up.sh printed
+#
+# Cancels every job, waits (at most 20 s) until none is left, then stops slurmd, slurmctld
+# and the munged that slurm-up.sh started (a munged that was already running is left alone),
+# waiting at most 10 s before it kills them. Safe to run twice, or after a failed bring-up.
+set -uo pipefail
+
+log() { echo "slurm-down: $*" >&2; }
+
+state="${1:?usage: slurm-down.sh STATE_DIR}"
+[ -d "$state" ] || { log "no such folder: $state (nothing to stop)"; exit 0; }
+state="$(cd "$state" && pwd)"
+[ -f "$state/slurm.conf" ] || { log "$state has no slurm.conf: not a slurm-up.sh folder"; exit 1; }
+export SLURM_CONF="$state/slurm.conf"
+
+if timeout 5 scontrol ping 2>/dev/null | grep -q "is UP"; then
+  jobs="$(timeout 10 squeue -h -o %i 2>/dev/null)"
+  if [ -n "$jobs" ]; then
+    # shellcheck disable=SC2086  # one argument per job id
+    timeout 10 scancel $jobs 2>/dev/null
+    for _ in $(seq 200); do
+      [ -z "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && break
+      sleep 0.1
+    done
+  fi
+fi
+
+# The watchdog of slurm-up.sh (unless it is what runs this script).
+if [ -s "$state/watchdog.pid" ]; then
+  pid="$(cat "$state/watchdog.pid")"
+  [ "$pid" != "$$" ] && kill -TERM "$pid" 2>/dev/null
+fi
+
+# Read every PID first: the daemons delete their PID files while they exit.
+pids=()
+for f in slurmd.pid slurmctld.pid munge/munged.pid; do
+  if [ -s "$state/$f" ]; then
+    pid="$(cat "$state/$f")"
+    kill -0 "$pid" 2>/dev/null && pids+=("$pid")
+  fi
+done
+if [ "${#pids[@]}" -gt 0 ]; then
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for _ in $(seq 100); do
+    alive=()
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
+    [ "${#alive[@]}" -eq 0 ] && break
+    sleep 0.1
+  done
+  if [ "${#alive[@]}" -gt 0 ]; then
+    log "killing ${alive[*]} (still running after 10 s)"
+    kill -KILL "${alive[@]}" 2>/dev/null
+  fi
+fi
+rm -rf "$state"
+log "stopped; removed $state"

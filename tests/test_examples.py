@@ -1,0 +1,76 @@
+"""The training example, ``python -m mpidist.examples.train_digits``: it learns, the same at any
+number of ranks, resumes from its checkpoints, and explains every option.
+
+Each run is a real ``mpiexec`` job (``tests/mpirun.py``); the whole file takes a few seconds.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from mpidist.examples import train_digits
+from mpirun import run_mpi
+
+TIMEOUT = 120
+FINAL = re.compile(r"final held-out accuracy: (\d+\.\d+)%")
+
+
+def _train(n, *args, tmp_path):
+    argv = [sys.executable, "-m", "mpidist.examples.train_digits", "--checkpoint-dir", str(tmp_path / "ckpt"), *args]
+    result = run_mpi(n, argv, timeout=TIMEOUT)
+    assert result.returncode == 0, result.describe()
+    finals = FINAL.findall(result.stdout)
+    assert len(finals) == 1, result.describe()  # rank 0 only
+    return float(finals[0]), result.stdout
+
+
+def test_shipped_digits_are_scikit_learns():
+    pytest.importorskip("sklearn", reason="scikit-learn is not installed (the examples extra)")
+    shipped = train_digits.load_digits("shipped")
+    sklearn = train_digits.load_digits("sklearn")
+    assert shipped[0].shape == (1797, 64) and shipped[1].shape == (1797,)
+    np.testing.assert_array_equal(shipped[0], sklearn[0])
+    np.testing.assert_array_equal(shipped[1], sklearn[1])
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_digits.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--epochs", "--global-batch-size", "--learning-rate", "--hidden", "--seed", "--test-fraction",
+                   "--checkpoint-dir", "--no-checkpoint", "--resume", "--progress", "--device", "--data",
+                   "--min-accuracy"):
+        assert re.search(rf"^\s+{option}\b.*\n?.*\S", text, re.M), f"{option} is not explained"
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(SystemExit) as exit_info:
+        train_digits.parse_args(["--epochs", "0"])
+    assert exit_info.value.code == 2
+
+
+def test_accuracy_is_the_same_at_one_two_and_three_ranks(tmp_path):
+    # 10 epochs instead of the default 20 keep this quick; the claim holds for any number.
+    results = {n: _train(n, "--no-checkpoint", "--epochs", "10", tmp_path=tmp_path / str(n))[0] for n in (1, 2, 3)}
+    assert min(results.values()) >= 95.0, results
+    assert max(results.values()) - min(results.values()) <= 1.0, results
+
+
+def test_resume_on_another_number_of_ranks(tmp_path):
+    _, first = _train(2, "--epochs", "1", tmp_path=tmp_path)
+    assert "epoch 1/1" in first and "saved ckpt-000001" in first
+    _, second = _train(3, "--epochs", "2", "--resume", tmp_path=tmp_path)
+    assert "after epoch 1" in second and "epoch 1/2" not in second and "epoch 2/2" in second, second
+    _, done = _train(1, "--epochs", "2", "--resume", tmp_path=tmp_path)
+    assert "after epoch 2" in done and "epoch 2/2" not in done, done  # nothing left to train
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
+    argv = [sys.executable, "-m", "mpidist.examples.train_digits", "--no-checkpoint", "--global-batch-size", "61"]
+    result = run_mpi(2, argv, timeout=TIMEOUT)
+    assert result.returncode not in (0, None), result.describe()
+    assert "not divisible by the 2 ranks" in result.stderr, result.describe()

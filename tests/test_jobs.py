@@ -1,0 +1,74 @@
+"""The scripts in ``jobs/`` that run without Slurm, and what every batch script must contain.
+
+``tests/test_slurm.py`` submits the batch scripts to a real Slurm; here, serially: shell syntax,
+the world-size check and the one-rank-per-GPU layout of each batch script, and ``jobs/mpirun.sh``
+under the MPI of this environment.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpirun import run_command
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+BATCH = sorted(JOBS.glob("*.sbatch"))
+TIMEOUT = 60
+
+
+def _directives(script: Path) -> dict[str, str]:
+    found = {}
+    for line in script.read_text().splitlines():
+        match = re.match(r"#SBATCH\s+--([\w-]+)(?:=(\S+))?", line)
+        if match:
+            found[match.group(1)] = match.group(2) or ""
+    return found
+
+
+@pytest.mark.parametrize("script", [*BATCH, JOBS / "mpirun.sh", *sorted((JOBS / "testing").glob("*.sh"))],
+                         ids=lambda p: p.name)
+def test_shell_syntax(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_batch_scripts_are_there():
+    assert {p.name for p in BATCH} == {"train.sbatch", "benchmark.sbatch", "tests.sbatch"}
+
+
+@pytest.mark.parametrize("script", BATCH, ids=lambda p: p.name)
+def test_batch_script_checks_the_world_size_and_says_what_to_edit(script):
+    text = script.read_text()
+    assert 'doctor --expect-ranks "$ntasks"' in text  # fails loudly on N one-rank worlds
+    assert "SLURM_NTASKS" in text and "exit 1" in text
+    assert "EDIT" in text and "--account" in text and "--partition" in text
+    assert "module load" in text and "activate" in text
+    assert "srun --mpi=" in text or 'srun --mpi="$MPIDIST_SRUN_MPI"' in text
+    assert "SRUN_CPUS_PER_TASK" in text and 'OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK' in text
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "benchmark.sbatch"])
+def test_gpu_scripts_run_one_rank_per_gpu(name):
+    directives = _directives(JOBS / name)
+    assert directives["gpus-per-task"] == "1"
+    assert "ntasks-per-node" in directives and "cpus-per-task" in directives
+
+
+def test_mpirun_sh_help():
+    result = subprocess.run(["bash", str(JOBS / "mpirun.sh"), "--help"], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert result.returncode == 0 and "mpiexec" in result.stdout and "OMPI_ALLOW_RUN_AS_ROOT" in result.stdout
+
+
+def test_mpirun_sh_finds_the_mpiexec_next_to_python():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_", "MPIEXEC"))}
+    env["PATH"] = "/usr/bin:/bin"  # no mpiexec on PATH: it must be found next to the interpreter
+    result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", "2", sys.executable, "-m", "mpidist", "doctor",
+                          "--expect-ranks", "2"], TIMEOUT, env=env)
+    assert result.returncode == 0, result.describe()
+    assert "mpidist doctor: 2 ranks on 1 node" in result.stdout, result.describe()
