@@ -5,9 +5,20 @@ distributed value (a NumPy array, or a CuPy array on the rank's GPU);
 aggregation is an MPI allreduce on those arrays; cross-replica code is a set
 of collective calls that every rank makes in the same order.
 """
+from mpidist._checkpoint import Checkpoint, read_checkpoint
 from mpidist._comm import Communicator, Handle
 from mpidist._context import ReplicaContext, get_replica_context, get_strategy, in_cross_replica_context
+from mpidist._data import (
+    ArrayDataset,
+    DistributedDataset,
+    DistributedIterator,
+    FileDataset,
+    InputContext,
+    MultiStepContext,
+)
 from mpidist._errors import (
+    CheckpointError,
+    ChecksumError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     CommError,
@@ -15,6 +26,7 @@ from mpidist._errors import (
     MpidistError,
     NonFiniteError,
 )
+from mpidist._metrics import Accuracy, Mean, Sum
 from mpidist._ops import ReduceOp
 from mpidist._options import Options
 from mpidist._strategy import MPIStrategy
@@ -30,23 +42,35 @@ from mpidist._variables import (
 from mpidist._version import __version__
 
 __all__ = [
+    "Accuracy",
+    "ArrayDataset",
+    "Checkpoint",
+    "CheckpointError",
+    "ChecksumError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CommError",
     "Communicator",
+    "DistributedDataset",
+    "DistributedIterator",
     "DistributedValues",
     "DistributedVariable",
+    "FileDataset",
     "Handle",
+    "InputContext",
     "MPIStrategy",
+    "Mean",
     "Mirrored",
     "MirrorDivergenceError",
     "MirroredVariable",
     "MpidistError",
+    "MultiStepContext",
     "NonFiniteError",
     "Options",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
+    "Sum",
     "SyncOnReadVariable",
     "Variable",
     "VariableAggregation",
@@ -55,6 +79,7 @@ __all__ = [
     "get_replica_context",
     "get_strategy",
     "in_cross_replica_context",
+    "read_checkpoint",
     "regroup",
     "select_replica",
     "select_replica_mirrored",

@@ -29,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist._backend import Backend, array_module, is_device_array
+from mpidist._hierarchy import Hierarchy
 from mpidist._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -53,6 +54,7 @@ class _Kind(enum.IntEnum):
     ALLGATHER = 3
     REDUCE_SCATTER = 4
     BARRIER = 5
+    FUSED = 6
 
 
 class _Bad(enum.IntEnum):
@@ -98,6 +100,27 @@ def _library_cuda_support() -> Optional[bool]:
     return None
 
 
+def _node_split(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """Collective: the ranks of ``comm`` that share this node, for node-local rank and GPU binding.
+
+    MPI's shared-memory split; should the library refuse it, a split by host name ordered by
+    ``SLURM_LOCALID`` (Slurm's node-local task id) where set. Never consults the world size
+    in ``SLURM_*`` variables, which some launchers leave wrong.
+    """
+    try:
+        return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    except MPI.Exception:
+        pass
+    host = MPI.Get_processor_name()
+    local_id = os.environ.get("SLURM_LOCALID", "")
+    key = int(local_id) if local_id.isdigit() else comm.rank
+    return comm.Split(comm.allgather(host).index(host), key)
+
+
+def _nothing() -> None:
+    """The completion step of requests that need none."""
+
+
 def _local_error(bad: "_Bad", message: str) -> Exception:
     """The exception a rank raises for its own invalid arguments."""
     return (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
@@ -137,6 +160,8 @@ def _describe(record: np.ndarray) -> str:
     name = _Kind(kind).name.lower() if kind in _Kind._value2member_map_ else f"kind{kind}"
     if bad:
         return f"#{seq} {name}: could not take part ({_Bad(bad).name.lower().replace('_', ' ')})"
+    if kind == _Kind.FUSED:
+        return f"#{seq} fused reduction of {ndim} arrays, {int(record[_DIMS + 1])} elements"
     opname = next((o.value for o, c in _OP_CODES.items() if c == op), None)
     dims = [int(d) for d in record[_DIMS:_DIMS + min(ndim, _MAXDIM) - 1]]
     if ndim:
@@ -204,7 +229,7 @@ class Communicator:
         self._broken: Optional[str] = None
         try:
             self._comm = base.Dup()
-            self._node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._comm.rank)
+            self._node = _node_split(self._comm)
             self._num_nodes = self._comm.allreduce(int(self._node.rank == 0))
         except MPI.Exception as exc:
             raise CommError(f"could not set up mpidist's communicator: {exc.Get_error_string()}") from exc
@@ -214,6 +239,7 @@ class Communicator:
         self.local_size: int = self._node.size
         self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
         self.cuda_aware = self._resolve_cuda_aware() if self.backend.is_gpu else False
+        self._hierarchy = Hierarchy(self._comm, self.options.node_size) if self.options.hierarchical else None
 
     # -- life cycle ----------------------------------------------------------------
     @property
@@ -228,6 +254,8 @@ class Communicator:
 
     def free(self) -> None:
         """Collective: release the duplicated communicators."""
+        if self._hierarchy is not None:
+            self._hierarchy.free()
         for c in (self._node, self._comm):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -254,7 +282,8 @@ class Communicator:
         ``options.check_finite``, a NaN or Inf on any rank raises
         :class:`~mpidist.NonFiniteError` on every rank instead of spreading. Buffers
         larger than ``options.pipeline_bytes`` are reduced in pieces of that
-        size, in place, without a full-size temporary.
+        size, in place, without a full-size temporary; with
+        ``options.hierarchical``, each piece by the two-level algorithm.
         """
         return self._allreduce(array, op, out, inplace, name, blocking=True)
 
@@ -263,6 +292,9 @@ class Communicator:
         """Collective, nonblocking :meth:`allreduce`: returns a :class:`Handle`.
 
         Don't touch ``array`` (or ``out``) until ``handle.wait()`` returned.
+        The pieces advance while this rank is inside MPI (``handle.test()``,
+        ``wait()``, other MPI calls); whether they also advance during pure
+        computation depends on the MPI library's progress engine.
         """
         return self._allreduce(array, op, out, inplace, name, blocking=False)
 
@@ -375,30 +407,64 @@ class Communicator:
         send = None if target is array or copied else array
         recv = self.backend.to_mpi(target, self.cuda_aware, reuse=blocking)
         mpi_op = self._mpi_op(op, array.dtype)
-        if blocking and recv is target and self.options.timeout is None and target.nbytes <= self.options.pipeline_bytes:
+        if (blocking and recv is target and self.options.timeout is None and self._hierarchy is None
+                and target.nbytes <= self.options.pipeline_bytes):
             # the common small host case: one call, no pieces (this is the per-update latency path)
             self._call("allreduce", self._comm.Allreduce, MPI.IN_PLACE if send is None else send, target, mpi_op)
             if op is ReduceOp.MEAN:
                 target[...] /= self.size
             return target
 
-        def piece_args(lo: int, hi: int) -> tuple[Any, Any, MPI.Op]:
-            sbuf = MPI.IN_PLACE if send is None else send.reshape(-1)[lo:hi]
-            return sbuf, recv.reshape(-1)[lo:hi], mpi_op
-
-        def finish() -> Any:
-            self.backend.from_mpi(target, recv)
-            if op is ReduceOp.MEAN:
-                target[...] /= self.size
-            return target
-
+        flat_send = None if send is None else send.reshape(-1)
+        flat_recv, flat_target = recv.reshape(-1), target.reshape(-1)
+        pieces = [(None if send is None else flat_send[lo:hi], flat_recv[lo:hi]) for lo, hi in self._pieces(target)]
         what = f"allreduce of {name!r}"
-        pieces = self._pieces(target)
         if not blocking:
-            return Handle(self, what, [self._start("Allreduce", *piece_args(lo, hi)) for lo, hi in pieces], finish)
-        for lo, hi in pieces:
-            self._run(what, "Allreduce", *piece_args(lo, hi))
-        return finish()
+            def finish() -> Any:
+                self.backend.from_mpi(target, recv)
+                if op is ReduceOp.MEAN:
+                    target[...] /= self.size
+                return target
+
+            requests, complete = self._start_pieces(what, pieces, mpi_op)
+            return Handle(self, what, requests, lambda: (complete(), finish())[1])
+        staged = recv is not target
+        for (sbuf, rbuf), (lo, hi) in zip(pieces, self._pieces(target)):
+            self._reduce(what, sbuf, rbuf, mpi_op)
+            if op is ReduceOp.MEAN and not staged:
+                flat_target[lo:hi] /= self.size  # while the piece is in cache
+        self.backend.from_mpi(target, recv)
+        if op is ReduceOp.MEAN and staged:
+            target[...] /= self.size
+        return target
+
+    def _reduce(self, what: str, send: Any, recv: Any, mpi_op: MPI.Op) -> None:
+        """Collective: ``recv`` <- reduction of every rank's ``send`` (of ``recv`` itself if ``None``).
+
+        Both are MPI-ready buffers; the two-level algorithm with ``options.hierarchical``.
+        """
+        if self._hierarchy is not None:
+            self._hierarchy.allreduce(self, what, send, recv, mpi_op)
+        else:
+            self._run(what, "Allreduce", MPI.IN_PLACE if send is None else send, recv, mpi_op)
+
+    def _start_pieces(self, what: str, pieces: Sequence[tuple[Any, Any]],
+                      mpi_op: MPI.Op) -> tuple[list[MPI.Request], Callable[[], None]]:
+        """Collective: start the nonblocking reduction of each ``(send or None, recv)`` piece.
+
+        Returns the requests and the step to run once they completed. With
+        ``options.hierarchical`` only the reductions within the nodes run in
+        the background; that step runs the rest.
+        """
+        hierarchy = self._hierarchy
+        if hierarchy is None:
+            return [self._start("Allreduce", MPI.IN_PLACE if s is None else s, r, mpi_op) for s, r in pieces], _nothing
+
+        def complete() -> None:
+            for _, r in pieces:
+                hierarchy.complete(self, what, r, mpi_op)
+
+        return [hierarchy.start(self, s, r, mpi_op) for s, r in pieces], complete
 
     def _broadcast(self, array: Any, root: int, name: str, blocking: bool) -> Any:
         if not 0 <= root < self.size:
@@ -483,6 +549,13 @@ class Communicator:
     def _agreement_on(self) -> bool:
         return self.options.check_collectives or self.options.timeout is not None
 
+    def _begin(self) -> int:
+        """Local: number the next collective (raises if the communicator is unusable)."""
+        if self._broken is not None:
+            raise CommError(f"rank {self.rank}: communicator unusable: {self._broken}")
+        self._seq += 1
+        return self._seq
+
     def _agree(self, kind: _Kind, array: Any, op: Optional[ReduceOp], *, root: int = 0,
                name: str, check_finite: bool = False) -> Optional[np.ndarray]:
         """Validate locally, then (if enabled) exchange records and compare them on every rank.
@@ -491,9 +564,7 @@ class Communicator:
         exchange is disabled. Raises the local error on a rank whose arguments
         are invalid and :class:`CollectiveMismatchError` on the others.
         """
-        if self._broken is not None:
-            raise CommError(f"rank {self.rank}: communicator unusable: {self._broken}")
-        self._seq += 1
+        self._begin()
         bad, message = (_Bad.OK, "") if kind == _Kind.BARRIER else self._validate(array, op, name)
         if not (self._agreement_on() or check_finite):
             if bad:
@@ -512,11 +583,21 @@ class Communicator:
                 fields[_DIM0] = shape[0]
             if check_finite and array.dtype.char in _FLOATS:
                 fields[_NONFINITE] = int(not bool(array_module(array).isfinite(array).all()))
-        record = np.array(fields, dtype=np.int64)
+        return self._settle(kind, np.array(fields, dtype=np.int64), bad, message, name)
+
+    def _settle(self, kind: _Kind, record: np.ndarray, bad: _Bad, message: str, name: str,
+                explain: Optional[Callable[[], str]] = None) -> np.ndarray:
+        """Collective: exchange this rank's agreement ``record``; raise on any disagreement.
+
+        ``explain`` (collective, run on every rank when all took part but
+        disagree) returns text to add to the mismatch error.
+        """
         records = self._exchange(record, kind, name)
         if bad:
             raise _local_error(bad, message)
-        self._compare(kind, records, name)
+        if not record[_NONFINITE] and records.tobytes() == record.tobytes() * self.size:
+            return records  # the common case: every rank sent the same record
+        self._compare(kind, records, name, explain)
         if records[:, _NONFINITE].any():
             nonfinite = [r for r in range(self.size) if records[r, _NONFINITE]]
             raise NonFiniteError(
@@ -526,7 +607,8 @@ class Communicator:
                 "bad input), or turn the guard off with check_finite=False.", nonfinite)
         return records
 
-    def _compare(self, kind: _Kind, records: np.ndarray, name: str) -> None:
+    def _compare(self, kind: _Kind, records: np.ndarray, name: str,
+                 explain: Optional[Callable[[], str]] = None) -> None:
         mine = records[self.rank]
         key = records[:, :_DIM0 if kind == _Kind.ALLGATHER else _DIM0 + 1]
         if (key == key[0]).all():
@@ -537,6 +619,8 @@ class Communicator:
             groups.setdefault(text, []).append(r)
         lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}: {text}"
                           for text, rs in groups.items())
+        if explain is not None and not records[:, _BAD].any():
+            lines += explain()
         raise CollectiveMismatchError(
             f"rank {self.rank}: ranks disagree on collective #{int(mine[0])} ({kind.name.lower()} of "
             f"{name!r}): {lines}. Every rank must call the same collectives in the same order with "
@@ -607,20 +691,23 @@ class Communicator:
         except MPI.Exception as exc:
             raise CommError(f"rank {self.rank}: MPI error in {what}: {exc.Get_error_string()}") from exc
 
-    def _start(self, mpi_name: str, *args: Any) -> MPI.Request:
-        """Start the nonblocking form of an MPI collective (``Allreduce`` -> ``Iallreduce``)."""
-        return self._call(mpi_name, getattr(self._comm, "I" + mpi_name.lower()), *args)
+    def _start(self, mpi_name: str, *args: Any, comm: Optional[MPI.Intracomm] = None) -> MPI.Request:
+        """Start the nonblocking form of an MPI collective (``Allreduce`` -> ``Iallreduce``).
 
-    def _run(self, what: str, mpi_name: str, *args: Any) -> None:
-        """Run an MPI collective to completion.
+        On ``comm`` (default: the private duplicate; the hierarchy passes its sub-communicators).
+        """
+        return self._call(mpi_name, getattr(comm or self._comm, "I" + mpi_name.lower()), *args)
+
+    def _run(self, what: str, mpi_name: str, *args: Any, comm: Optional[MPI.Intracomm] = None) -> None:
+        """Run an MPI collective to completion (on ``comm``, default the private duplicate).
 
         Without a timeout this is the blocking call (MPI libraries tune those
         best); with one, the nonblocking form polled against the deadline.
         """
         if self.options.timeout is None:
-            self._call(what, getattr(self._comm, mpi_name), *args)
+            self._call(what, getattr(comm or self._comm, mpi_name), *args)
         else:
-            self._wait([self._start(mpi_name, *args)], what)
+            self._wait([self._start(mpi_name, *args, comm=comm)], what)
 
     # -- CUDA awareness ------------------------------------------------------------------
     def _resolve_cuda_aware(self) -> bool:

@@ -93,7 +93,6 @@ class ReplicaContext:
     Attributes:
         strategy: the strategy running ``fn``.
         replica_id_in_sync_group: this replica's id (the rank in the strategy's communicator).
-        num_replicas_in_sync: the number of replicas (the communicator's size).
     """
 
     def __init__(self, strategy: "MPIStrategy", replica_id: int) -> None:
@@ -102,6 +101,7 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """The number of replicas (the strategy's communicator size)."""
         return self.strategy.num_replicas_in_sync
 
     def __repr__(self) -> str:

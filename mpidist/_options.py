@@ -50,6 +50,10 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "check_finite": _parse_bool,
     "abort_on_error": _parse_bool,
     "check_mirrored_every": int,
+    "fusion_bytes": int,
+    "hierarchical": _parse_bool,
+    "node_size": int,
+    "flat_variables": _parse_bool,
 }
 
 
@@ -71,8 +75,10 @@ class Options:
             (stage through pinned host memory) or ``"auto"`` (ask MPI, then
             confirm with a one-time self-test) (``MPIDIST_CUDA_AWARE``).
         pipeline_bytes: reductions of larger buffers run in pieces of this
-            many bytes, which keeps each piece in cache
-            (``MPIDIST_PIPELINE_BYTES``).
+            many bytes, which keeps each piece in cache; also the size of a
+            fusion bucket. The default, 2 MiB, was the fastest piece size for
+            16-256 MiB buffers on 2-rank shared-memory runs (see
+            ``docs/benchmarks.md``) (``MPIDIST_PIPELINE_BYTES``).
         check_finite: reductions raise :class:`~mpidist.NonFiniteError`
             naming the ranks that contributed NaN/Inf, instead of spreading
             them to every replica; costs one pass over each array
@@ -84,22 +90,45 @@ class Options:
         check_mirrored_every: compare mirrored variables' checksums across
             ranks after every k-th replica-context update of each (0: never)
             (``MPIDIST_CHECK_MIRRORED_EVERY``).
+        fusion_bytes: in a fused reduction of many arrays, arrays (or runs
+            of arrays adjacent in memory) of at most this many bytes are
+            packed together into reusable buckets of ``pipeline_bytes``, so
+            small arrays never cost one MPI call each; larger ones are
+            reduced where they are, in pieces. 0 packs nothing
+            (``MPIDIST_FUSION_BYTES``).
+        hierarchical: reduce within each node over a shared-memory
+            communicator, then across nodes between node leaders, then
+            broadcast within the node (``MPIDIST_HIERARCHICAL``).
+        node_size: ranks per node for ``hierarchical``: 0 finds the
+            shared-memory nodes; ``k`` groups every ``k`` consecutive ranks,
+            to try the algorithm on one machine (``MPIDIST_NODE_SIZE``).
+        flat_variables: mirrored variables live as views of a few large
+            buffers (one series per dtype), so that a fused update of many of
+            them is one pipelined reduction with no packing
+            (``MPIDIST_FLAT_VARIABLES``).
     """
 
     timeout: Optional[float] = None
     check_collectives: bool = True
     device: str = "auto"
     cuda_aware: str = "auto"
-    pipeline_bytes: int = 4 * _MIB
+    pipeline_bytes: int = 2 * _MIB
     check_finite: bool = False
     abort_on_error: bool = True
     check_mirrored_every: int = 0
+    fusion_bytes: int = 64 * 1024
+    hierarchical: bool = False
+    node_size: int = 0
+    flat_variables: bool = False
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"option timeout must be a positive number of seconds or None, got {self.timeout!r}")
         if self.check_mirrored_every < 0:
             raise ValueError(f"option check_mirrored_every must be >= 0, got {self.check_mirrored_every!r}")
+        if self.fusion_bytes < 0 or self.node_size < 0:
+            raise ValueError(f"options fusion_bytes and node_size must be >= 0, got {self.fusion_bytes!r} "
+                             f"and {self.node_size!r}")
         if self.pipeline_bytes < 1024:
             raise ValueError(f"option pipeline_bytes must be at least 1024, got {self.pipeline_bytes!r}")
         for name in ("device", "cuda_aware"):

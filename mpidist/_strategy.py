@@ -9,23 +9,29 @@ from __future__ import annotations
 import contextlib
 import warnings
 import zlib
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
 from mpidist._backend import Backend, array_module, contiguous, to_host
-from mpidist._comm import Communicator, install_abort_on_error
+from mpidist._comm import Communicator, Handle, install_abort_on_error
 from mpidist._errors import MirrorDivergenceError, format_ranks
 from mpidist._context import ReplicaContext, _enter, get_replica_context
+from mpidist._flat import FlatStore, zeros_like_layout
+from mpidist._fusion import Fusion
 from mpidist._nest import flatten as _flatten
-from mpidist._nest import map_structure
+from mpidist._nest import map_structure, pack_sequence_as
 from mpidist._ops import ReduceOp
 from mpidist._options import Options
 from mpidist._values import DistributedValues, PerReplica, regroup, select_replica_mirrored
-from mpidist._variables import DistributedVariable, MirroredVariable, VariableAggregation
+from mpidist._variables import _UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
 
 __all__ = ["MPIStrategy"]
+
+# How a mirrored variable's aggregation combines the replicas' update values (None: replica 0's).
+_AGGREGATION_OPS = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN,
+                    VariableAggregation.ONLY_FIRST_REPLICA: None}
 
 
 def _is_array(x: Any) -> bool:
@@ -54,7 +60,8 @@ class MPIStrategy:
             ``device`` (``"auto"``, ``"cpu"``, ``"gpu"``), ``cuda_aware``,
             ``pipeline_bytes``, ``check_finite``, ``abort_on_error`` (default
             on: an uncaught exception on any rank aborts the whole job with a
-            rank-tagged traceback), ``check_mirrored_every``. Each defaults to
+            rank-tagged traceback), ``check_mirrored_every``, ``fusion_bytes``,
+            ``hierarchical``, ``node_size``, ``flat_variables``. Each defaults to
             its ``MPIDIST_*`` environment variable. Unknown options raise
             ``ValueError``.
     """
@@ -64,6 +71,8 @@ class MPIStrategy:
         self._own_comm = comm is None
         self.comm: MPI.Intracomm = MPI.COMM_WORLD.Dup() if comm is None else comm
         self._communicator = Communicator(self.comm, self.options)
+        self._fusion = Fusion(self._communicator)
+        self._flat = FlatStore(self.backend.xp) if self.options.flat_variables else None
         if self.options.abort_on_error:
             install_abort_on_error()
 
@@ -144,18 +153,45 @@ class MPIStrategy:
         """
         return self._all_reduce_nest(reduce_op, value, axis)
 
+    def reduce_async(self, reduce_op: Union[ReduceOp, str], value: Any) -> Handle:
+        """Collective, nonblocking :meth:`reduce` (without ``axis``): returns a :class:`~mpidist.Handle`.
+
+        ``handle.wait()`` returns what :meth:`reduce` would. The values are
+        copied when the call starts, so they may change afterwards; compute
+        while the reduction runs and call ``wait()`` when the result is
+        needed. The reduction advances while this rank is inside MPI
+        (``handle.test()`` drives it); see the docs for what each MPI library
+        does in the background.
+        """
+        op = ReduceOp.of(reduce_op)
+        leaves = _flatten(value)
+        arrays = [self._prepared(op, leaf) for leaf in leaves]
+        return self._fusion.iallreduce_many(arrays, op, [f"reduce_async[{i}]" for i in range(len(arrays))],
+                                            then=lambda results: pack_sequence_as(value, results))
+
     def _all_reduce_nest(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
         op = ReduceOp.of(reduce_op)
+        leaves = _flatten(value)
+        if axis is None and len(leaves) > 1:  # all leaves together: few MPI calls, one agreement record
+            arrays = [self._prepared(op, leaf) for leaf in leaves]
+            return pack_sequence_as(value, self._fusion.allreduce_many(
+                arrays, op, [f"reduce[{i}]" for i in range(len(arrays))]))
         if op not in (ReduceOp.SUM, ReduceOp.MEAN):
-            return map_structure(lambda x: self._communicator.allreduce(self._local(x), op), value)
+            return map_structure(lambda x: self._communicator.allreduce(self._prepared(op, x), op), value)
         return map_structure(lambda x: self._sum_or_mean(op, self._local(x), axis), value)
 
-    def _sum_or_mean(self, op: ReduceOp, local: Any, axis: Optional[int]) -> Any:
-        xp = array_module(local)
+    def _prepared(self, op: ReduceOp, value: Any) -> Any:
+        """This rank's component of ``value`` as a contiguous array ``op`` can reduce (MEAN of integers: float64)."""
+        local = self._local(value)
         if op is ReduceOp.MEAN and local.dtype.kind in "iub":
             local = local.astype(np.float64)
+        return contiguous(local)
+
+    def _sum_or_mean(self, op: ReduceOp, local: Any, axis: Optional[int]) -> Any:
         if axis is None:
-            return self._communicator.allreduce(contiguous(local), op)
+            return self._communicator.allreduce(self._prepared(op, local), op)
+        if op is ReduceOp.MEAN and local.dtype.kind in "iub":
+            local = local.astype(np.float64)
         total = self._communicator.allreduce(contiguous(local.sum(axis=axis)), ReduceOp.SUM)
         if op is ReduceOp.MEAN:
             count = self._communicator.allreduce(np.array(local.shape[axis], dtype=np.int64), ReduceOp.SUM, name="count")
@@ -192,6 +228,37 @@ class MPIStrategy:
         """Collective: wait until every rank has arrived (honours the timeout)."""
         self._communicator.barrier()
 
+    # -- input (the data layer does the work) ------------------------------------------------
+    def distribute_dataset(self, dataset: Any, auto_shard: bool = True, **options: Any) -> Any:
+        """Shard ``dataset`` over the replicas: see :func:`mpidist._data.distribute_dataset`.
+
+        At step ``s`` rank ``r`` gets element ``s * N + r`` (every element
+        without ``auto_shard``); an :class:`~mpidist.ArrayDataset` gives each
+        rank ``global_batch_size / N`` rows per step. Every rank runs the same
+        number of steps. Iterating is collective when the length is unknown.
+        """
+        from mpidist._data import distribute_dataset
+
+        return distribute_dataset(self, dataset, auto_shard, **options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], **options: Any) -> Any:
+        """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns in step.
+
+        See :func:`mpidist._data.distribute_datasets_from_function`.
+        """
+        from mpidist._data import distribute_datasets_from_function
+
+        return distribute_datasets_from_function(self, dataset_fn, **options)
+
+    def run_steps_on_dataset(self, fn: Callable[..., Any], iterator: Any, iterations: int) -> Any:
+        """Run ``fn(ctx, inputs)`` for up to ``iterations`` steps; returns the ``MultiStepContext``.
+
+        See :func:`mpidist._data.run_steps_on_dataset`.
+        """
+        from mpidist._data import run_steps_on_dataset
+
+        return run_steps_on_dataset(self, fn, iterator, iterations)
+
     def experimental_local_results(self, value: Any) -> tuple:
         """This rank's components of ``value`` as a tuple (a plain value gives ``(value,)``). Local."""
         return value.values if isinstance(value, DistributedValues) else (value,)
@@ -207,6 +274,65 @@ class MPIStrategy:
         self._check_variable(var, "update")
         args, kwargs = select_replica_mirrored(self.rank, (args, kwargs))
         return fn(var._component, *args, **kwargs)
+
+    def batch_update(self, pairs: Iterable[tuple[MirroredVariable, Any]],
+                     fn: Union[str, Callable[[Any, Any], Any]] = "assign_add", *,
+                     in_place: bool = False) -> list[MirroredVariable]:
+        """Update many mirrored variables at once: ``fn(component, value)`` for each ``(variable, value)``.
+
+        ``fn`` is ``"assign"``, ``"assign_add"``, ``"assign_sub"`` or a
+        function that updates its first argument in place, elementwise (for
+        example ``lambda w, g: w.__isub__(0.1 * g)``): it may be called on flat
+        slices of several components at once, with the matching slice of the
+        values, which it must not keep.
+
+        - Replica context (inside ``run``): collective. Each value is
+          reduced by its variable's aggregation (``SUM``, ``MEAN``,
+          ``ONLY_FIRST_REPLICA``), all of them together: values that lie
+          back to back in memory, as do their variables (``flat_variables``
+          with :meth:`flat_zeros_like` values), are reduced where they are as
+          one span, in pieces; the others share MPI calls through reusable
+          buckets (``fusion_bytes``). Then the same ``fn`` runs on every
+          rank, so components stay identical. Aggregation ``NONE`` raises
+          ``ValueError``. Every rank passes the same variables in the same
+          order.
+        - Cross-replica context: each value is applied as given (local).
+
+        Returns the variables. The values are not modified, unless
+        ``in_place``: then each value that is an array of its variable's
+        dtype and shape is overwritten with its aggregated value (for
+        example the mean gradient), and the reduction needs no scratch copy:
+        the fastest way to update from large or flat gradient buffers.
+        """
+        pairs = list(pairs)
+        variables = [v for v, _ in pairs]
+        for v in variables:
+            if not isinstance(v, MirroredVariable):
+                raise TypeError(f"strategy.batch_update expects mirrored variables, got {type(v).__name__} {v!r}")
+            if v.strategy is not self:
+                raise ValueError(f"strategy.batch_update: variable {v.name!r} belongs to another strategy, {v.strategy!r}")
+        update = _UPDATES[fn] if isinstance(fn, str) else fn
+        values = [v._coerce(x) for v, x in pairs]
+        if get_replica_context() is None:
+            for v, x in zip(variables, values):
+                update(v._component, x)
+            return variables
+        for v in variables:
+            if v.aggregation is VariableAggregation.NONE:
+                raise ValueError(f"rank {self.rank}: strategy.batch_update of {v.name!r} in replica context needs "
+                                 "an aggregation: create the variable with aggregation SUM, MEAN or ONLY_FIRST_REPLICA")
+        self._update_mirrored(variables, values, update, in_place)
+        return variables
+
+    def flat_zeros_like(self, variables: Sequence[DistributedVariable]) -> list[Any]:
+        """Local: zero-filled arrays shaped like the variables, laid out in memory like their components.
+
+        With ``flat_variables``, variables created one after another lie back
+        to back in a few large buffers; arrays from this call do too, in the
+        same order. Compute gradients into them (``g[...] = ...``) and
+        :meth:`batch_update` reduces them with no packing copy.
+        """
+        return zeros_like_layout([v._component for v in variables], self.backend.xp)
 
     def read_var(self, var: DistributedVariable) -> Any:
         """The variable's cross-replica value (collective for sync-on-read variables)."""
@@ -276,10 +402,30 @@ class MPIStrategy:
         """Collective: overwrite ``array`` with rank 0's, in place."""
         self._communicator.broadcast(array, root=0, name=name)
 
-    def _after_mirrored_update(self, var: DistributedVariable) -> None:
-        """Collective when due: the periodic ``check_mirrored`` of ``options.check_mirrored_every``."""
+    def _storage(self, component: Any) -> Any:
+        """Where a new mirrored variable keeps ``component``: a view of flat storage with ``flat_variables``."""
+        if self._flat is None:
+            return component
+        placed = self._flat.zeros(component.shape, component.dtype)
+        placed[...] = component
+        return placed
+
+    def _update_mirrored(self, variables: Sequence[DistributedVariable], values: Sequence[Any],
+                         fn: Callable[[Any, Any], Any], in_place: bool = False) -> None:
+        """Collective: ``fn(component, value reduced by the variable's aggregation)`` for each, fused.
+
+        Then, when due, the periodic ``check_mirrored`` of ``options.check_mirrored_every``.
+        """
+        self._fusion.reduce_apply(values, [v._component for v in variables],
+                                  [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
+                                  [v.name for v in variables], in_place)
         every = self.options.check_mirrored_every
         if every:
-            var._updates += 1
-            if var._updates % every == 0:
-                self.check_mirrored([var])
+            due = []
+            for v in variables:
+                v._updates += 1
+                if v._updates % every == 0:
+                    due.append(v)
+            if due:
+                with self.scope():
+                    self.check_mirrored(due)

@@ -104,10 +104,7 @@ class _OnWritePolicy(_Policy):
             )
         # What merge_call would do, without wrapping and unwrapping the arguments: the update is
         # the hot path of training loops.
-        strategy = var._strategy
-        with strategy.scope():
-            _UPDATES[kind](var._component, strategy._aggregate(var.aggregation, var._coerce(value), name=var.name))
-            strategy._after_mirrored_update(var)
+        var._strategy._update_mirrored((var,), (var._coerce(value),), _UPDATES[kind])
         return var
 
     def read(self, var: "DistributedVariable") -> Any:
@@ -132,7 +129,7 @@ class _OnReadPolicy(_Policy):
             )
         value = var._coerce(value)
         n, rank, xp = var._strategy.num_replicas_in_sync, var._strategy.rank, var._strategy.backend.xp
-        if var.aggregation is VariableAggregation.SUM:
+        if var.aggregation in (VariableAggregation.SUM, VariableAggregation.NONE):  # NONE reads as SUM
             value = _split_exactly(value, n, rank, xp) if _is_integer(var.dtype) else value / n
         var._component[...] = value
         return var
@@ -169,26 +166,32 @@ class DistributedVariable(DistributedValues):
     # -- properties (local) -----------------------------------------------------------
     @property
     def name(self) -> str:
+        """The variable's name (unique per strategy; default ``"Variable"``, ``"Variable_1"``, ...)."""
         return self._name
 
     @property
     def dtype(self) -> np.dtype:
+        """The components' dtype."""
         return self._component.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The components' shape."""
         return tuple(self._component.shape)
 
     @property
     def aggregation(self) -> VariableAggregation:
+        """How replica-context updates (mirrored) or cross-replica reads (sync-on-read) combine replicas."""
         return self._aggregation
 
     @property
     def synchronization(self) -> VariableSynchronization:
+        """``ON_WRITE`` for a mirrored variable, ``ON_READ`` for a sync-on-read one."""
         return self._policy.synchronization
 
     @property
     def strategy(self) -> "MPIStrategy":
+        """The strategy whose scope created the variable."""
         return self._strategy
 
     def __repr__(self) -> str:
@@ -220,6 +223,10 @@ class DistributedVariable(DistributedValues):
 
     def _coerce(self, value: Any) -> Any:
         """``value`` as an array of the component's module and dtype, shape-checked. Local."""
+        component = self._component
+        if (type(value) is type(component) and value.dtype == component.dtype and value.shape == component.shape
+                and value.flags.c_contiguous):
+            return value  # the common case, kept short
         if isinstance(value, DistributedValues):
             value = value.get()
         array = self._strategy.backend.asarray(value)
@@ -264,8 +271,9 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
     - Cross-replica context: ``read_value()``/``numpy()`` are collective and
       return the ``SUM`` or ``MEAN`` of all components (``ONLY_FIRST_REPLICA``:
       replica 0's; ``NONE`` reads as ``SUM``). ``assign(x)`` is local and sets
-      every component to ``x / N`` for ``SUM`` (integers: integer shares that
-      add up to ``x`` exactly) and to ``x`` otherwise; ``assign_add`` and
+      every component to ``x / N`` for ``SUM`` and ``NONE`` (integers: integer
+      shares that add up to ``x`` exactly) and to ``x`` otherwise, so the value
+      reads back as ``x``; ``assign_add`` and
       ``assign_sub`` raise ``RuntimeError``.
     """
 
@@ -307,4 +315,5 @@ def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
     strategy._broadcast_array(component, name=name)
     if synchronization is VariableSynchronization.ON_READ:
         return SyncOnReadVariable(strategy, component, name, aggregation, _POLICIES[synchronization])
+    component = strategy._storage(component)
     return MirroredVariable(strategy, component, name, aggregation, _POLICIES[VariableSynchronization.ON_WRITE])

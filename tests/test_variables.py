@@ -137,13 +137,13 @@ def test_sync_on_read_local_updates_and_reduced_reads(strategy, agg):
         assert_equal(v._component, [r + 1.0, 0.5])  # reading changed nothing
 
 
-@pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN])
+@pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN, Agg.NONE, Agg.ONLY_FIRST_REPLICA])
 def test_sync_on_read_cross_replica_assign(strategy, agg):
     n = strategy.num_replicas_in_sync
     with strategy.scope():
         v = Variable(np.zeros(3), name="sor_assign", synchronization=Sync.ON_READ, aggregation=agg)
         v.assign(np.array([3.0, 6.0, 9.0]))
-        assert_close(v._component, np.array([3.0, 6.0, 9.0]) / (n if agg is Agg.SUM else 1))
+        assert_close(v._component, np.array([3.0, 6.0, 9.0]) / (n if agg in (Agg.SUM, Agg.NONE) else 1))
         assert_close(v.read_value(), [3.0, 6.0, 9.0])
         with pytest.raises(RuntimeError, match="only allowed in replica context"):
             v.assign_add(1.0)
