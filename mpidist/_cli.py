@@ -48,17 +48,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return int(args.handler(args))
 
 
+def _add_module_command(subparsers: Any, name: str, module: Any, help: str) -> None:
+    """Register a command whose module offers ``build_parser``, ``add_arguments`` and ``run``."""
+    parser = subparsers.add_parser(name, help=help, description=module.build_parser().description)
+    module.add_arguments(parser)
+    parser.set_defaults(handler=module.run)
+
+
 # -- doctor ----------------------------------------------------------------------------------
 @command
 def _add_doctor(subparsers: Any) -> None:
     from mpidist import _doctor
 
-    parser = subparsers.add_parser(
-        "doctor", help="report how an MPI job is set up (launcher, ranks per node, GPUs, CUDA-aware MPI) and "
-                       "what to fix; run it under your launcher",
-        description=_doctor.build_parser().description)
-    _doctor.add_arguments(parser)
-    parser.set_defaults(handler=_doctor.run)
+    _add_module_command(subparsers, "doctor", _doctor,
+                        "report how an MPI job is set up (launcher, ranks per node, GPUs, CUDA-aware MPI) and "
+                        "what to fix; run it under your launcher")
 
 
 # -- bench -----------------------------------------------------------------------------------
@@ -66,11 +70,8 @@ def _add_doctor(subparsers: Any) -> None:
 def _add_bench(subparsers: Any) -> None:
     from mpidist import _bench
 
-    parser = subparsers.add_parser(
-        "bench", help="measure mpidist's collectives against raw mpi4py (and torch gloo); run it under mpiexec",
-        description=_bench.build_parser().description)
-    _bench.add_arguments(parser)
-    parser.set_defaults(handler=_bench.run)
+    _add_module_command(subparsers, "bench", _bench,
+                        "measure mpidist's collectives against raw mpi4py (and torch gloo); run it under mpiexec")
 
 
 # -- checkpoint ------------------------------------------------------------------------------

@@ -15,20 +15,17 @@ never pickled; large reductions run in cache-sized pieces.
 """
 from __future__ import annotations
 
-import ctypes
 import enum
 import os
-import sys
 import time
-import traceback
 import warnings
-from types import TracebackType
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._backend import Backend, array_module, is_device_array
+from mpidist._backend import Backend, array_module
+from mpidist._cuda_aware import resolve_cuda_aware
 from mpidist._hierarchy import Hierarchy
 from mpidist._errors import (
     CollectiveMismatchError,
@@ -40,7 +37,7 @@ from mpidist._errors import (
 from mpidist._ops import ReduceOp
 from mpidist._options import Options
 
-__all__ = ["Communicator", "Handle", "install_abort_on_error"]
+__all__ = ["Communicator", "Handle"]
 
 # dtype chars MPI can move; their position is the dtype's code in agreement records.
 _DTYPES = "?bhilqBHILQefdFD"
@@ -85,21 +82,6 @@ _DTYPE_CODES = {c: i for i, c in enumerate(_DTYPES)}
 _TAG_AGREE = 7701
 
 
-def _library_cuda_support() -> Optional[bool]:
-    """What the loaded MPI library says of CUDA support (``None``: it has no query)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "/libmpi" in line}
-    for path in sorted(paths):
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
-            query = lib.MPIX_Query_cuda_support
-        except (OSError, AttributeError):
-            continue
-        query.restype = ctypes.c_int
-        return bool(query())
-    return None
-
-
 def _node_split(comm: MPI.Intracomm) -> MPI.Intracomm:
     """Collective: the ranks of ``comm`` that share this node, for node-local rank and GPU binding.
 
@@ -124,34 +106,6 @@ def _nothing() -> None:
 def _local_error(bad: "_Bad", message: str) -> Exception:
     """The exception a rank raises for its own invalid arguments."""
     return (TypeError if bad in (_Bad.NOT_ARRAY, _Bad.DTYPE, _Bad.NOT_CONTIGUOUS) else ValueError)(message)
-
-
-def install_abort_on_error() -> None:
-    """Make an uncaught exception on any rank end the whole MPI job. Local; idempotent.
-
-    Installs a ``sys.excepthook`` that prints the traceback with every line
-    tagged ``[rank R]``, then calls ``MPI_Abort`` on ``COMM_WORLD``, so the
-    other ranks do not wait forever in their next collective. ``KeyboardInterrupt``
-    keeps Python's default behaviour.
-    """
-    if getattr(sys.excepthook, "_mpidist_abort", False):
-        return
-    previous = sys.excepthook
-
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
-        if issubclass(exc_type, KeyboardInterrupt):
-            previous(exc_type, exc, tb)
-            return
-        world = MPI.COMM_WORLD
-        lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
-        banner = (f"mpidist: uncaught {exc_type.__name__} on rank {world.rank} of {world.size}; aborting "
-                  "the job so the other ranks do not hang (MPIDIST_ABORT_ON_ERROR=0 turns this off)")
-        sys.stderr.write("".join(f"[rank {world.rank}] {line}\n" for line in [banner, *lines]))
-        sys.stderr.flush()
-        world.Abort(1)
-
-    hook._mpidist_abort = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
 
 
 def _describe(record: np.ndarray) -> str:
@@ -238,7 +192,7 @@ class Communicator:
         self.local_rank: int = self._node.rank
         self.local_size: int = self._node.size
         self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
-        self.cuda_aware = self._resolve_cuda_aware() if self.backend.is_gpu else False
+        self.cuda_aware = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self._hierarchy = Hierarchy(self._comm, self.options.node_size) if self.options.hierarchical else None
 
     # -- life cycle ----------------------------------------------------------------
@@ -708,29 +662,3 @@ class Communicator:
             self._call(what, getattr(comm or self._comm, mpi_name), *args)
         else:
             self._wait([self._start(mpi_name, *args, comm=comm)], what)
-
-    # -- CUDA awareness ------------------------------------------------------------------
-    def _resolve_cuda_aware(self) -> bool:
-        """Collective: decide whether MPI may be handed device buffers (``options.cuda_aware``)."""
-        setting = self.options.cuda_aware
-        if setting in ("0", "1"):
-            return setting == "1"
-        claimed = _library_cuda_support()
-        ok = bool(claimed) and self._cuda_self_test()
-        agreed = self._comm.allreduce(int(ok), op=MPI.MIN)
-        if not agreed and self.rank == 0:
-            warnings.warn("mpidist: MPI is not CUDA-aware (or its self-test failed): GPU arrays are "
-                          "staged through pinned host memory. Set MPIDIST_CUDA_AWARE=1 to skip the check "
-                          "on an MPI you know is CUDA-aware.", RuntimeWarning, stacklevel=3)
-        return bool(agreed)
-
-    def _cuda_self_test(self) -> bool:
-        """One device-buffer allreduce compared against the host result."""
-        xp = self.backend.xp
-        probe = xp.full(1024, self.rank + 1, dtype=xp.float64)
-        self.backend.synchronize()
-        try:
-            self._comm.Allreduce(MPI.IN_PLACE, probe, MPI.SUM)
-        except MPI.Exception:
-            return False
-        return bool((probe == self.size * (self.size + 1) / 2).all())

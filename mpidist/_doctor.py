@@ -111,7 +111,7 @@ def _mpi_library() -> dict[str, Any]:
     from mpi4py import MPI
     import mpi4py
 
-    from mpidist._comm import _library_cuda_support
+    from mpidist._cuda_aware import library_cuda_support
 
     version = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     version = version.split(", package:")[0]  # Open MPI's line goes on with build details
@@ -132,7 +132,7 @@ def _mpi_library() -> dict[str, Any]:
                                      for p in paths),
         "mpi4py_libmpi": os.environ.get("MPI4PY_LIBMPI"),
         "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
-        "cuda_claim": _library_cuda_support(),
+        "cuda_claim": library_cuda_support(),
     }
 
 

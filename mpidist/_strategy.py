@@ -15,7 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist._backend import Backend, array_module, contiguous, to_host
-from mpidist._comm import Communicator, Handle, install_abort_on_error
+from mpidist._abort import install_abort_on_error
+from mpidist._comm import Communicator, Handle
 from mpidist._errors import MirrorDivergenceError, format_ranks
 from mpidist._context import ReplicaContext, _enter, get_replica_context
 from mpidist._flat import FlatStore, zeros_like_layout

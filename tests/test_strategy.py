@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidist as md
-from arrays import DEVICES, assert_close, assert_equal, host
+from arrays import DEVICES, assert_close, assert_equal
 from mpidist import MPIStrategy, Mirrored, PerReplica, ReduceOp
 
 pytestmark = pytest.mark.mpi
