@@ -13,10 +13,9 @@ collective operations:
   bucket; larger ones are reduced where they are, in pieces. The only
   temporary is one bucket per dtype, reused across calls: the arrays passed in
   are never modified.
-- :meth:`Fusion.allreduce_many` (and the nonblocking :meth:`Fusion.iallreduce_many`)
-  returns new arrays: all results of one dtype are views of one new buffer,
-  into which the inputs are copied piece by piece just before each piece is
-  reduced, so small arrays share MPI calls and no further copy is made.
+- :meth:`Fusion.allreduce_many` returns new arrays, through ``reduce_apply``;
+  the nonblocking :meth:`Fusion.iallreduce_many` returns views of one new
+  buffer per dtype, reduced in pieces that stay in flight together.
 
 Every rank must pass arrays of the same dtypes and shapes, in the same order,
 with the same ops. The ranks agree on all of them with one record (a digest
@@ -120,23 +119,16 @@ class Fusion:
 
     # -- reductions that return new arrays -------------------------------------------------
     def allreduce_many(self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str]) -> list[Any]:
-        """Collective: every array reduced by ``op``; new arrays, those of one dtype views of one buffer."""
-        what = self._agree(arrays, [op] * len(arrays), names)
-        results: list[Any] = [None] * len(arrays)
-        for _, members in self._groups(arrays, [op] * len(arrays)):
-            out = self._outputs(arrays, members, results)
-            sources = [(arrays[i].reshape(-1), arrays[i].size) for i in members]
-            k, start = 0, 0  # sources[k] begins at element `start` of out
-            for lo, hi in self._comm._pieces(out):
-                while k < len(sources) and start < hi:  # copy what falls into [lo, hi), then reduce it
-                    source, size = sources[k]
-                    a, b = max(lo, start), min(hi, start + size)
-                    out[a:b] = source[a - start:b - start]
-                    if start + size > hi:
-                        break
-                    start += size
-                    k += 1
-                self._transfer(what, None, out[lo:hi], op)
+        """Collective: every array reduced by ``op``, as new arrays; the inputs are left as they are.
+
+        The reduction runs as :meth:`reduce_apply` into one new array per
+        input: small arrays share MPI calls through the reusable bucket.
+        (Separate results rather than views of one large new buffer: memory
+        allocators recycle arrays of ordinary sizes, while a fresh buffer of
+        the whole size would be faulted in page by page on every call.)
+        """
+        results = [array_module(a).empty_like(a) for a in arrays]
+        self.reduce_apply(arrays, results, [op] * len(arrays), _assign, names)
         return results
 
     def iallreduce_many(self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str],
@@ -278,6 +270,10 @@ class Fusion:
 
         comm._settle(_Kind.FUSED, record, bad, message, what, explain)
         return what
+
+
+def _assign(target: Any, reduced: Any) -> None:
+    target[...] = reduced
 
 
 def _describe(array: Any, op: Op, name: str) -> str:
