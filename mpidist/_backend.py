@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Backend", "DeviceStager", "array_module", "contiguous", "cupy_or_none", "data_pointer", "is_device_array",
-           "to_host"]
+__all__ = ["Backend", "DeviceStager", "array_module", "contiguous", "cupy_or_none", "cupy_version", "data_pointer",
+           "is_device_array", "nccl_status", "to_host"]
 
 
 def cupy_or_none() -> Optional[ModuleType]:
@@ -102,6 +102,20 @@ class Backend:
         device_id = local_rank % count
         cupy.cuda.Device(device_id).use()
         return cls(cupy, device_id)
+
+    def device_info(self) -> Optional[dict[str, Any]]:
+        """Name, PCI bus id and visible-device count of this rank's GPU; ``None`` on the host."""
+        if not self.is_gpu:
+            return None
+        runtime = self.xp.cuda.runtime
+        props = runtime.getDeviceProperties(self.device_id)
+        name = props.get("name", b"?")
+        return {
+            "device": self.device_id,
+            "name": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+            "pci_bus_id": runtime.deviceGetPCIBusId(self.device_id),
+            "visible": runtime.getDeviceCount(),
+        }
 
     # -- arrays -----------------------------------------------------------------
     def asarray(self, value: Any, dtype: Any = None) -> Any:
@@ -219,6 +233,34 @@ class DeviceStager:
         device, done = token
         cupy.cuda.get_current_stream().wait_event(done)
         return device
+
+
+def cupy_version() -> Optional[str]:
+    """CuPy's version, ``"broken (...)"`` when it fails to import, ``None`` when not installed."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    except Exception as exc:  # a CuPy whose CUDA libraries are missing raises its own errors
+        return f"broken ({type(exc).__name__})"
+    return str(cupy.__version__)
+
+
+def nccl_status() -> str:
+    """Whether CuPy's NCCL bindings are usable, in words (for reports)."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError:
+        return "not available (CuPy is not installed)"
+    except Exception as exc:  # CuPy present but its CUDA libraries are not: report, don't fail
+        return f"not available ({type(exc).__name__}: {exc})"
+    if not getattr(nccl, "available", False):
+        return "not available (this CuPy was built without NCCL)"
+    try:
+        v = nccl.get_version()
+    except Exception:  # older CuPy without get_version
+        return "available"
+    return f"available (NCCL {v // 10000}.{v // 100 % 100}.{v % 100})" if v >= 10000 else f"available (NCCL {v})"
 
 
 def contiguous(array: Any) -> Any:

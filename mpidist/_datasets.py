@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from mpidist._backend import is_device_array
+from mpidist._backend import array_module, is_device_array
 from mpidist._nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
 from mpidist._sharding import (
     batch_plan,
@@ -217,9 +217,7 @@ def _read_only(view: Any) -> Any:
 def _take(leaf: Any, index: np.ndarray) -> Any:
     """Rows ``index`` of ``leaf`` (a NumPy or CuPy array) as a new contiguous array."""
     if type(leaf) is not np.ndarray and is_device_array(leaf):
-        import cupy
-
-        return leaf[cupy.asarray(index)]
+        return leaf[array_module(leaf).asarray(index)]
     return leaf[index]
 
 

@@ -25,6 +25,8 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
+from mpidist._backend import cupy_version, nccl_status
+
 __all__ = ["build_parser", "collect", "diagnose", "format_report", "main"]
 
 # Ancestor process names that identify a launcher (/proc/PID/comm, at most 15 characters).
@@ -136,53 +138,15 @@ def _mpi_library() -> dict[str, Any]:
     }
 
 
-def _gpu_of(backend: Any) -> Optional[dict[str, Any]]:
-    """Name and PCI bus id of the rank's GPU, or ``None`` on the host."""
-    if not backend.is_gpu:
-        return None
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    props = runtime.getDeviceProperties(backend.device_id)
-    name = props.get("name", b"?")
-    return {
-        "device": backend.device_id,
-        "name": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
-        "pci_bus_id": runtime.deviceGetPCIBusId(backend.device_id),
-        "visible": runtime.getDeviceCount(),
-    }
-
-
-def _nccl() -> str:
-    try:
-        from cupy.cuda import nccl
-    except ImportError:
-        return "not available (CuPy is not installed)"
-    except Exception as exc:  # CuPy present but its CUDA libraries are not: report, don't fail
-        return f"not available ({type(exc).__name__}: {exc})"
-    if not getattr(nccl, "available", False):
-        return "not available (this CuPy was built without NCCL)"
-    try:
-        v = nccl.get_version()
-        return f"available (NCCL {v // 10000}.{v // 100 % 100}.{v % 100})" if v >= 10000 else f"available (NCCL {v})"
-    except Exception:  # older CuPy without get_version
-        return "available"
-
-
 def _versions() -> dict[str, str]:
     import numpy
 
     from mpidist._version import __version__
 
     versions = {"mpidist": __version__, "python": platform.python_version(), "numpy": numpy.__version__}
-    try:
-        import cupy
-
-        versions["cupy"] = cupy.__version__
-    except ImportError:
-        pass
-    except Exception as exc:  # a broken CuPy install
-        versions["cupy"] = f"broken ({type(exc).__name__})"
+    cupy = cupy_version()
+    if cupy is not None:
+        versions["cupy"] = cupy
     return versions
 
 
@@ -216,7 +180,7 @@ def _describe_rank(comm: Any, launcher: str) -> dict[str, Any]:
         "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
         "nvidia_devices": os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl"),
         "backend": comm.backend.name,
-        "gpu": _gpu_of(comm.backend),
+        "gpu": comm.backend.device_info(),
     }
 
 
@@ -249,25 +213,13 @@ def collect(device: Optional[str] = None, timeout: float = 60.0) -> Optional[dic
                 "versions": _versions(),
                 "cuda_aware_setting": options.cuda_aware,
                 "cuda_aware": bool(comm.cuda_aware) if all_gpu else None,
-                "nccl": _nccl() if all_gpu or any(r["gpu"] for r in ranks) else _nccl_light(),
+                "nccl": nccl_status(),
                 "library_warnings": [str(w.message) for w in caught],
                 "ranks": ranks,
             }
     finally:
         comm.free()
     return report
-
-
-def _nccl_light() -> str:
-    """NCCL availability without importing CuPy's CUDA modules when no rank uses a GPU."""
-    try:
-        import importlib.util
-
-        if importlib.util.find_spec("cupy") is None:
-            return "not available (CuPy is not installed)"
-    except (ImportError, ValueError):
-        return "not available (CuPy is not installed)"
-    return _nccl()
 
 
 # -- what is wrong -------------------------------------------------------------------------------
