@@ -25,6 +25,7 @@ with other ranks. This layer does not import MPI.
 """
 from __future__ import annotations
 
+import collections.abc
 import operator
 import weakref
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -62,7 +63,11 @@ def _as_replica_id(value: Any, what: str = "replica id") -> int:
 
 def _normalize_index(index: Mapping[int, Any], owner: str) -> dict[int, Any]:
     """A copy of ``index`` with int keys, ordered by replica id; rejects empty/non-int indexes."""
-    if not isinstance(index, Mapping):
+    if type(index) is dict and len(index) == 1:  # under MPI: {rank: value}, on every call of the hot path
+        (key, value), = index.items()
+        if type(key) is int and key >= 0:
+            return {key: value}
+    if not isinstance(index, collections.abc.Mapping):
         raise TypeError(
             f"{owner} expects a mapping from replica id to value, got {type(index).__name__}"
         )
