@@ -12,9 +12,8 @@ collective because what they run is.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from mpidist._ops import ReduceOp
 
@@ -44,19 +43,27 @@ def _top() -> Optional[_Frame]:
     return _stack.frames[-1] if _stack.frames else None
 
 
-@contextlib.contextmanager
-def _enter(strategy: "MPIStrategy", replica: Optional["ReplicaContext"] = None) -> Iterator[None]:
-    """Push a cross-replica (``replica=None``) or replica frame for ``strategy``. Local."""
-    top = _top()
-    if top is not None and top.strategy is not strategy:
-        raise RuntimeError(
-            f"cannot enter {strategy!r} inside the scope of another strategy, {top.strategy!r}; "
-            "leave the other strategy's scope first (mpidist uses one strategy at a time per thread)"
-        )
-    _stack.frames.append(_Frame(strategy, replica))
-    try:
-        yield
-    finally:
+class _enter:
+    """Context manager: push a cross-replica (``replica=None``) or replica frame for ``strategy``. Local.
+
+    A class rather than a generator: it runs on every ``strategy.run`` and variable update.
+    """
+
+    __slots__ = ("_frame",)
+
+    def __init__(self, strategy: "MPIStrategy", replica: Optional["ReplicaContext"] = None) -> None:
+        top = _top()
+        if top is not None and top.strategy is not strategy:
+            raise RuntimeError(
+                f"cannot enter {strategy!r} inside the scope of another strategy, {top.strategy!r}; "
+                "leave the other strategy's scope first (mpidist uses one strategy at a time per thread)"
+            )
+        self._frame = _Frame(strategy, replica)
+
+    def __enter__(self) -> None:
+        _stack.frames.append(self._frame)
+
+    def __exit__(self, *exc: Any) -> None:
         _stack.frames.pop()
 
 

@@ -127,8 +127,8 @@ class MPIStrategy:
         if get_replica_context() is not None:
             raise RuntimeError("strategy.run was called inside strategy.run; call fn directly instead")
         unwrap = lambda x: x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
-        args = map_structure(unwrap, tuple(args))
-        kwargs = map_structure(unwrap, dict(kwargs or {}))
+        args = map_structure(unwrap, tuple(args)) if args else ()
+        kwargs = map_structure(unwrap, dict(kwargs)) if kwargs else {}
         with _enter(self, ReplicaContext(self, self.rank)):
             result = fn(*args, **kwargs)
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
