@@ -19,18 +19,19 @@ def install_abort_on_error() -> None:
 
     Installs a ``sys.excepthook`` that prints the traceback with every line
     tagged ``[rank R]``, then calls ``MPI_Abort`` on ``COMM_WORLD``, so the
-    other ranks do not wait forever in their next collective. ``KeyboardInterrupt``
-    keeps Python's default behaviour.
+    other ranks do not wait forever in their next collective. ``KeyboardInterrupt``,
+    a one-rank world and an interactive prompt (``python -i``) keep Python's default
+    behaviour.
     """
     if getattr(sys.excepthook, "_mpidist_abort", False):
         return
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
-        if issubclass(exc_type, KeyboardInterrupt):
-            previous(exc_type, exc, tb)
-            return
         world = MPI.COMM_WORLD
+        if issubclass(exc_type, KeyboardInterrupt) or world.size == 1 or hasattr(sys, "ps1"):
+            previous(exc_type, exc, tb)  # nobody to wake up, or an interactive prompt to keep alive
+            return
         lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
         banner = (f"mpidist: uncaught {exc_type.__name__} on rank {world.rank} of {world.size}; aborting "
                   "the job so the other ranks do not hang (MPIDIST_ABORT_ON_ERROR=0 turns this off)")

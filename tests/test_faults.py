@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import run_command, run_mpi
 
 JOB = str(Path(__file__).resolve().parent / "samples" / "fault_job.py")
 
@@ -58,3 +58,12 @@ def test_killed_rank_ends_the_job(tmp_path):
     assert result.returncode not in (0, None), result.describe()
     assert result.elapsed < 30, result.describe()
     assert seen == {}, seen
+
+
+def test_one_rank_world_keeps_pythons_own_exit(tmp_path):
+    """A plain `python script.py` (one rank) has nobody to wake: the usual traceback and exit status 1."""
+    env = {**os.environ, "FAULT_OUT": str(tmp_path)}
+    result = run_command([sys.executable, JOB, "raise_everywhere"], timeout=60, env=env)
+    assert result.returncode == 1, result.describe()
+    assert "RuntimeError: deliberate failure on rank 0" in result.stderr, result.describe()
+    assert "aborting" not in result.stderr and "[rank 0]" not in result.stderr, result.describe()

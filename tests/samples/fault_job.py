@@ -53,5 +53,7 @@ elif scenario == "sigkill_rank1":
         os.kill(os.getpid(), signal.SIGKILL)
     strategy.barrier()
     report("barrier returned")
+elif scenario == "raise_everywhere":
+    raise RuntimeError(f"deliberate failure on rank {rank}")
 else:
     raise SystemExit(f"unknown scenario {scenario!r}")
