@@ -139,7 +139,9 @@ def _init_gloo(comm: MPI.Intracomm) -> Any:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     port = comm.bcast(port, root=0)
-    nodes = comm.allreduce(int(comm.Split_type(MPI.COMM_TYPE_SHARED).rank == 0))
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    nodes = comm.allreduce(int(node.rank == 0))
+    node.Free()
     host = "127.0.0.1" if nodes == 1 else comm.bcast(socket.gethostname(), root=0)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size)

@@ -16,7 +16,6 @@ never pickled; large reductions run in cache-sized pieces.
 from __future__ import annotations
 
 import enum
-import os
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -26,7 +25,7 @@ from mpi4py import MPI
 
 from mpidist._backend import Backend, array_module
 from mpidist._cuda_aware import resolve_cuda_aware
-from mpidist._hierarchy import Hierarchy
+from mpidist._hierarchy import Hierarchy, node_split
 from mpidist._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -80,23 +79,6 @@ _NONFINITE = _DIM0 + 1
 _RECORD = _NONFINITE + 1
 _DTYPE_CODES = {c: i for i, c in enumerate(_DTYPES)}
 _TAG_AGREE = 7701
-
-
-def _node_split(comm: MPI.Intracomm) -> MPI.Intracomm:
-    """Collective: the ranks of ``comm`` that share this node, for node-local rank and GPU binding.
-
-    MPI's shared-memory split; should the library refuse it, a split by host name ordered by
-    ``SLURM_LOCALID`` (Slurm's node-local task id) where set. Never consults the world size
-    in ``SLURM_*`` variables, which some launchers leave wrong.
-    """
-    try:
-        return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    except MPI.Exception:
-        pass
-    host = MPI.Get_processor_name()
-    local_id = os.environ.get("SLURM_LOCALID", "")
-    key = int(local_id) if local_id.isdigit() else comm.rank
-    return comm.Split(comm.allgather(host).index(host), key)
 
 
 def _nothing() -> None:
@@ -183,7 +165,7 @@ class Communicator:
         self._broken: Optional[str] = None
         try:
             self._comm = base.Dup()
-            self._node = _node_split(self._comm)
+            self._node = node_split(self._comm)
             self._num_nodes = self._comm.allreduce(int(self._node.rank == 0))
         except MPI.Exception as exc:
             raise CommError(f"could not set up mpidist's communicator: {exc.Get_error_string()}") from exc

@@ -9,10 +9,12 @@ point numbers are added (exactly, for integers).
 
 ``node_size`` forces the grouping (every ``node_size`` consecutive ranks form a
 "node"), so the algorithm can be tried and tested on one machine. Part of the
-comm layer: only :class:`~mpidist._comm.Communicator` uses it.
+comm layer: only :class:`~mpidist._comm.Communicator` uses it, also for :func:`node_split`,
+the node-local grouping behind its local rank and GPU binding.
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
@@ -20,7 +22,24 @@ from mpi4py import MPI
 if TYPE_CHECKING:
     from mpidist._comm import Communicator
 
-__all__ = ["Hierarchy"]
+__all__ = ["Hierarchy", "node_split"]
+
+
+def node_split(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """Collective: the ranks of ``comm`` that share this node, for node-local rank and GPU binding.
+
+    MPI's shared-memory split; should the library refuse it, a split by host name ordered by
+    ``SLURM_LOCALID`` (Slurm's node-local task id) where set. Never consults the world size
+    in ``SLURM_*`` variables, which some launchers leave wrong.
+    """
+    try:
+        return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    except MPI.Exception:
+        pass
+    host = MPI.Get_processor_name()
+    local_id = os.environ.get("SLURM_LOCALID", "")
+    key = int(local_id) if local_id.isdigit() else comm.rank
+    return comm.Split(comm.allgather(host).index(host), key)
 
 
 class Hierarchy:
@@ -37,7 +56,7 @@ class Hierarchy:
         if node_size:
             self.node = comm.Split(comm.rank // node_size, comm.rank)
         else:
-            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+            self.node = node_split(comm)
         self.is_leader = self.node.rank == 0
         self.leaders = comm.Split(0 if self.is_leader else MPI.UNDEFINED, comm.rank)
         self.num_nodes: int = comm.allreduce(int(self.is_leader))

@@ -12,7 +12,7 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from mpidist import _comm, _doctor
+from mpidist import _doctor, _hierarchy
 from mpirun import run_mpi
 
 TIMEOUT = 60
@@ -150,7 +150,7 @@ def test_node_split_falls_back_to_host_name_and_slurm_localid(monkeypatch, local
     else:
         monkeypatch.setenv("SLURM_LOCALID", local_id)
     fake = _NoSharedMemorySplit(MPI.COMM_WORLD)
-    node = _comm._node_split(fake)
+    node = _hierarchy.node_split(fake)
     try:
         assert fake.split_args == (0, 0)  # one host: color 0; key SLURM_LOCALID, else the rank
         assert (node.rank, node.size) == (0, 1)
@@ -159,7 +159,7 @@ def test_node_split_falls_back_to_host_name_and_slurm_localid(monkeypatch, local
 
 
 def test_node_split_uses_shared_memory_when_available():
-    node = _comm._node_split(MPI.COMM_WORLD)
+    node = _hierarchy.node_split(MPI.COMM_WORLD)
     try:
         assert (node.rank, node.size) == (0, 1)
     finally:
