@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpidist
-from mpidist._checkpoint import Checkpoint
+from mpidist._checkpoint.checkpoint import Checkpoint
 
 
 def parse() -> argparse.Namespace:

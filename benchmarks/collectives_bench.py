@@ -8,7 +8,7 @@ for the cases and ``docs/benchmarks.md`` for the latest results. Writes
 """
 import sys
 
-from mpidist._bench import main
+from mpidist._tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -24,9 +24,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._data import ArrayDataset, distribute_dataset
-from mpidist._sharding import batch_rows, epoch_order
-from mpidist._strategy import MPIStrategy
+from mpidist._input.pipeline import ArrayDataset, distribute_dataset
+from mpidist._input.sharding import batch_rows, epoch_order
+from mpidist._distribute.strategy import MPIStrategy
 
 
 def parse() -> argparse.Namespace:

@@ -42,15 +42,15 @@ html_theme_options = {"description": "TensorFlow-style distributed values and va
 
 # The API reference: each public name goes into the section of the private module it comes from.
 API_SECTIONS = [
-    ("Strategy", ("mpidist._strategy",)),
-    ("Contexts", ("mpidist._context",)),
-    ("Distributed values", ("mpidist._values",)),
-    ("Variables", ("mpidist._variables",)),
-    ("Reductions and options", ("mpidist._ops", "mpidist._options")),
-    ("Input", ("mpidist._data", "mpidist._datasets", "mpidist._sharding")),
-    ("Metrics", ("mpidist._metrics",)),
-    ("Checkpoints", ("mpidist._checkpoint", "mpidist._ckpt_format")),
-    ("Communicator", ("mpidist._comm",)),
+    ("Strategy", ("mpidist._distribute.strategy",)),
+    ("Contexts", ("mpidist._distribute.context",)),
+    ("Distributed values", ("mpidist._distribute.values",)),
+    ("Variables", ("mpidist._distribute.variables",)),
+    ("Reductions and options", ("mpidist._comm.reduce_op", "mpidist._options")),
+    ("Input", ("mpidist._input.pipeline", "mpidist._input.datasets", "mpidist._input.sharding")),
+    ("Metrics", ("mpidist._distribute.metrics",)),
+    ("Checkpoints", ("mpidist._checkpoint.checkpoint", "mpidist._checkpoint.format")),
+    ("Communicator", ("mpidist._comm.communicator",)),
     ("Errors", ("mpidist._errors",)),
 ]
 

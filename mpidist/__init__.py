@@ -5,10 +5,10 @@ distributed value (a NumPy array, or a CuPy array on the rank's GPU);
 aggregation is an MPI allreduce on those arrays; cross-replica code is a set
 of collective calls that every rank makes in the same order.
 """
-from mpidist._checkpoint import Checkpoint, read_checkpoint
-from mpidist._comm import Communicator, Handle
-from mpidist._context import ReplicaContext, get_replica_context, get_strategy, in_cross_replica_context
-from mpidist._data import (
+from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
+from mpidist._comm.communicator import Communicator, Handle
+from mpidist._distribute.context import ReplicaContext, get_replica_context, get_strategy, in_cross_replica_context
+from mpidist._input.pipeline import (
     ArrayDataset,
     DistributedDataset,
     DistributedIterator,
@@ -26,12 +26,12 @@ from mpidist._errors import (
     MpidistError,
     NonFiniteError,
 )
-from mpidist._metrics import Accuracy, Mean, Sum
-from mpidist._ops import ReduceOp
+from mpidist._distribute.metrics import Accuracy, Mean, Sum
+from mpidist._comm.reduce_op import ReduceOp
 from mpidist._options import Options
-from mpidist._strategy import MPIStrategy
-from mpidist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica, select_replica_mirrored
-from mpidist._variables import (
+from mpidist._distribute.strategy import MPIStrategy
+from mpidist._distribute.values import DistributedValues, Mirrored, PerReplica, regroup, select_replica, select_replica_mirrored
+from mpidist._distribute.variables import (
     DistributedVariable,
     MirroredVariable,
     SyncOnReadVariable,

@@ -1,7 +1,7 @@
-"""``python -m mpidist``: see :mod:`mpidist._cli`."""
+"""``python -m mpidist``: see :mod:`mpidist._tools.cli`."""
 import sys
 
-from mpidist._cli import main
+from mpidist._tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

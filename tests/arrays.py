@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpidist._backend import to_host
+from mpidist._comm.backend import to_host
 
 DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 """Parameters for a strategy fixture: NumPy components, and CuPy components where a GPU exists."""

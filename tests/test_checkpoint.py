@@ -19,9 +19,9 @@ import pytest
 from mpi4py import MPI
 
 import mpidist
-from mpidist import _checkpoint
-from mpidist import _ckpt_format as fmt
-from mpidist._checkpoint import Checkpoint, read_checkpoint
+from mpidist._checkpoint import checkpoint as _checkpoint
+from mpidist._checkpoint import format as fmt
+from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._errors import ChecksumError
 
 pytestmark = pytest.mark.mpi

@@ -23,9 +23,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mpidist
-from mpidist import _ckpt_format as fmt
-from mpidist._checkpoint import Checkpoint, read_checkpoint
-from mpidist._cli import main as cli
+from mpidist._checkpoint import format as fmt
+from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
+from mpidist._tools.cli import main as cli
 from mpidist._errors import CheckpointError, ChecksumError
 from mpirun import run_mpi
 

@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import CollectiveMismatchError, CollectiveTimeoutError
-from mpidist._comm import Communicator
+from mpidist._comm.communicator import Communicator
 from mpidist._options import Options
 
 pytestmark = pytest.mark.mpi

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidist._comm import Communicator
+from mpidist._comm.communicator import Communicator
 from mpidist._options import Options
 
 pytestmark = pytest.mark.mpi

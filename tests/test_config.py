@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mpidist import CollectiveMismatchError, CollectiveTimeoutError, MpidistError, Options, ReduceOp
-from mpidist._backend import Backend, contiguous, cupy_or_none, to_host
+from mpidist._comm.backend import Backend, contiguous, cupy_or_none, to_host
 from mpidist._errors import format_ranks
 
 

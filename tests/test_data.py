@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidist._data import (
+from mpidist._input.pipeline import (
     ArrayDataset,
     FileDataset,
     InputContext,
@@ -27,10 +27,10 @@ from mpidist._data import (
     distribute_datasets_from_function,
     run_steps_on_dataset,
 )
-from mpidist._metrics import Accuracy, Mean, Sum
-from mpidist._sharding import epoch_order, shard_indices
-from mpidist._strategy import MPIStrategy
-from mpidist._values import PerReplica
+from mpidist._distribute.metrics import Accuracy, Mean, Sum
+from mpidist._input.sharding import epoch_order, shard_indices
+from mpidist._distribute.strategy import MPIStrategy
+from mpidist._distribute.values import PerReplica
 
 pytestmark = pytest.mark.mpi
 

@@ -17,11 +17,11 @@ import threading
 import numpy as np
 import pytest
 
-from mpidist import _prefetch
-from mpidist._datasets import ArrayDataset, FileDataset, InputContext
-from mpidist._metrics import WIDTH, exact_decode, exact_encode, exact_sum
-from mpidist._metrics import _as_float
-from mpidist._sharding import (
+from mpidist._input import prefetch as _prefetch
+from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
+from mpidist._distribute.metrics import WIDTH, exact_decode, exact_encode, exact_sum
+from mpidist._distribute.metrics import _as_float
+from mpidist._input.sharding import (
     batch_rows,
     choose_shard_policy,
     element_index,

@@ -12,7 +12,8 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from mpidist import _doctor, _hierarchy
+from mpidist._tools import doctor as _doctor
+from mpidist._comm import hierarchy as _hierarchy
 from mpirun import run_mpi
 
 TIMEOUT = 60

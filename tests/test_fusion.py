@@ -16,9 +16,9 @@ from mpi4py import MPI
 import mpidist as md
 from arrays import assert_equal, host
 from mpidist import CollectiveMismatchError, MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
-from mpidist._comm import Communicator
-from mpidist._flat import FlatStore, joinable
-from mpidist._fusion import Fusion
+from mpidist._comm.communicator import Communicator
+from mpidist._comm.flat import FlatStore, joinable
+from mpidist._comm.fusion import Fusion
 from mpidist._options import Options
 from test_comm import NUMERIC, contribution, defined, expected
 

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from arrays import assert_equal
-from mpidist._comm import Communicator
+from mpidist._comm.communicator import Communicator
 from mpidist._options import Options
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]

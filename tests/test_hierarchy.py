@@ -14,9 +14,9 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
-from mpidist._comm import Communicator
-from mpidist._fusion import Fusion
-from mpidist._hierarchy import Hierarchy
+from mpidist._comm.communicator import Communicator
+from mpidist._comm.fusion import Fusion
+from mpidist._comm.hierarchy import Hierarchy
 from mpidist._options import Options
 from test_comm import NUMERIC, contribution, defined, expected
 

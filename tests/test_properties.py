@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import mpidist as md
 from mpidist import CollectiveMismatchError
-from mpidist._comm import Communicator
+from mpidist._comm.communicator import Communicator
 from mpidist._options import Options
 
 pytestmark = pytest.mark.mpi

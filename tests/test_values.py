@@ -1,4 +1,4 @@
-"""Serial tests of mpidist._values (no MPI): distributed values, regroup, select_replica."""
+"""Serial tests of mpidist._distribute.values (no MPI): distributed values, regroup, select_replica."""
 import copy
 import gc
 import operator
@@ -8,9 +8,9 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from mpidist import _values
-from mpidist._nest import flatten, map_structure
-from mpidist._values import (
+from mpidist._distribute import values as _values
+from mpidist._distribute.nest import flatten, map_structure
+from mpidist._distribute.values import (
     DistributedValues,
     Mirrored,
     PerReplica,

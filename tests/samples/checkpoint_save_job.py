@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import mpidist
-from mpidist._checkpoint import Checkpoint
+from mpidist._checkpoint.checkpoint import Checkpoint
 
 ELEMENTS = 4 << 20  # 16 MiB of float32, written in 1 MiB chunks
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from mpidist._backend import data_pointer
+from mpidist._comm.backend import data_pointer
 
 __all__ = ["FlatStore", "joinable", "span", "zeros_like_layout"]
 

@@ -58,7 +58,7 @@ def _add_module_command(subparsers: Any, name: str, module: Any, help: str) -> N
 # -- doctor ----------------------------------------------------------------------------------
 @command
 def _add_doctor(subparsers: Any) -> None:
-    from mpidist import _doctor
+    from mpidist._tools import doctor as _doctor
 
     _add_module_command(subparsers, "doctor", _doctor,
                         "report how an MPI job is set up (launcher, ranks per node, GPUs, CUDA-aware MPI) and "
@@ -68,7 +68,7 @@ def _add_doctor(subparsers: Any) -> None:
 # -- bench -----------------------------------------------------------------------------------
 @command
 def _add_bench(subparsers: Any) -> None:
-    from mpidist import _bench
+    from mpidist._tools import bench as _bench
 
     _add_module_command(subparsers, "bench", _bench,
                         "measure mpidist's collectives against raw mpi4py (and torch gloo); run it under mpiexec")
@@ -103,7 +103,7 @@ def _add_checkpoint(subparsers: Any) -> None:
 def _checkpoint_inspect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mpidist import _ckpt_format as fmt
+    from mpidist._checkpoint import format as fmt
     from mpidist._errors import CheckpointError
 
     try:
@@ -132,7 +132,7 @@ def _checkpoint_inspect(args: argparse.Namespace) -> int:
 
 
 def _print_report(report: Any) -> None:
-    from mpidist import _ckpt_format as fmt
+    from mpidist._checkpoint import format as fmt
 
     manifest = report.manifest
     print(f"checkpoint {report.directory}")

@@ -14,7 +14,7 @@ seed's saving rules (TF's ``_MirroredSaveable`` / ``_TowerLocalSaveable``):
   saves its JSON state, so training resumes at the same input position.
 
 A checkpoint saved by N ranks restores on any number of ranks. The file
-format, atomic commit and checksums live in :mod:`mpidist._ckpt_format`
+format, atomic commit and checksums live in :mod:`mpidist._checkpoint.format`
 (usable without MPI); this module adds the collective protocol:
 
 1. Ranks agree on what is saved (names, kinds, shapes, dtypes, options); a
@@ -44,14 +44,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import numpy as np
 
-from mpidist import _ckpt_format as fmt
-from mpidist._backend import to_host
-from mpidist._context import get_replica_context, get_strategy
+from mpidist._checkpoint import format as fmt
+from mpidist._comm.backend import to_host
+from mpidist._distribute.context import get_replica_context, get_strategy
 from mpidist._errors import CheckpointError, ChecksumError, format_ranks
-from mpidist._variables import DistributedVariable, VariableSynchronization
+from mpidist._distribute.variables import DistributedVariable, VariableSynchronization
 
 if TYPE_CHECKING:
-    from mpidist._strategy import MPIStrategy
+    from mpidist._distribute.strategy import MPIStrategy
 
 __all__ = ["Checkpoint", "read_checkpoint"]
 
@@ -143,7 +143,7 @@ class Checkpoint:
     when the checkpoint holds no variables): every rank calls them with the
     same items and path. The directory must be on a file system every rank
     sees (any parallel or network file system; a node-local disk works only
-    on one node). See :mod:`mpidist._ckpt_format` for the layout on disk.
+    on one node). See :mod:`mpidist._checkpoint.format` for the layout on disk.
     """
 
     def __init__(self, **items: Any) -> None:

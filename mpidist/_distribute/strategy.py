@@ -1,7 +1,7 @@
 """MPIStrategy: the user's entry point, one replica per MPI rank.
 
-Ties the layers together: a :class:`~mpidist._comm.Communicator` for the
-collectives, a :class:`~mpidist._backend.Backend` for the arrays, the context
+Ties the layers together: a :class:`~mpidist._comm.communicator.Communicator` for the
+collectives, a :class:`~mpidist._comm.backend.Backend` for the arrays, the context
 stack for replica / cross-replica code, and the variables' policies.
 """
 from __future__ import annotations
@@ -14,19 +14,19 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._backend import Backend, array_module, contiguous, to_host
-from mpidist._abort import install_abort_on_error
-from mpidist._comm import Communicator, Handle
+from mpidist._comm.backend import Backend, array_module, contiguous, to_host
+from mpidist._comm.abort import install_abort_on_error
+from mpidist._comm.communicator import Communicator, Handle
 from mpidist._errors import MirrorDivergenceError, format_ranks
-from mpidist._context import ReplicaContext, _enter, get_replica_context
-from mpidist._flat import FlatStore, zeros_like_layout
-from mpidist._fusion import Fusion
-from mpidist._nest import flatten as _flatten
-from mpidist._nest import map_structure, pack_sequence_as
-from mpidist._ops import ReduceOp
+from mpidist._distribute.context import ReplicaContext, _enter, get_replica_context
+from mpidist._comm.flat import FlatStore, zeros_like_layout
+from mpidist._comm.fusion import Fusion
+from mpidist._distribute.nest import flatten as _flatten
+from mpidist._distribute.nest import map_structure, pack_sequence_as
+from mpidist._comm.reduce_op import ReduceOp
 from mpidist._options import Options
-from mpidist._values import DistributedValues, PerReplica, regroup, select_replica_mirrored
-from mpidist._variables import _UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
+from mpidist._distribute.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
+from mpidist._distribute.variables import _UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
 
 __all__ = ["MPIStrategy"]
 
@@ -231,32 +231,32 @@ class MPIStrategy:
 
     # -- input (the data layer does the work) ------------------------------------------------
     def distribute_dataset(self, dataset: Any, auto_shard: bool = True, **options: Any) -> Any:
-        """Shard ``dataset`` over the replicas: see :func:`mpidist._data.distribute_dataset`.
+        """Shard ``dataset`` over the replicas: see :func:`mpidist._input.pipeline.distribute_dataset`.
 
         At step ``s`` rank ``r`` gets element ``s * N + r`` (every element
         without ``auto_shard``); an :class:`~mpidist.ArrayDataset` gives each
         rank ``global_batch_size / N`` rows per step. Every rank runs the same
         number of steps. Iterating is collective when the length is unknown.
         """
-        from mpidist._data import distribute_dataset
+        from mpidist._input.pipeline import distribute_dataset
 
         return distribute_dataset(self, dataset, auto_shard, **options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], **options: Any) -> Any:
         """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns in step.
 
-        See :func:`mpidist._data.distribute_datasets_from_function`.
+        See :func:`mpidist._input.pipeline.distribute_datasets_from_function`.
         """
-        from mpidist._data import distribute_datasets_from_function
+        from mpidist._input.pipeline import distribute_datasets_from_function
 
         return distribute_datasets_from_function(self, dataset_fn, **options)
 
     def run_steps_on_dataset(self, fn: Callable[..., Any], iterator: Any, iterations: int) -> Any:
         """Run ``fn(ctx, inputs)`` for up to ``iterations`` steps; returns the ``MultiStepContext``.
 
-        See :func:`mpidist._data.run_steps_on_dataset`.
+        See :func:`mpidist._input.pipeline.run_steps_on_dataset`.
         """
-        from mpidist._data import run_steps_on_dataset
+        from mpidist._input.pipeline import run_steps_on_dataset
 
         return run_steps_on_dataset(self, fn, iterator, iterations)
 

@@ -2,7 +2,7 @@
 
 Everything here depends on its arguments alone, ``(num_samples, rank, size,
 ...)``: no MPI, no state, the same answer on every rank. The input pipeline
-(:mod:`mpidist._data`) is built on these functions, and they are tested
+(:mod:`mpidist._input.pipeline`) is built on these functions, and they are tested
 serially over many ``(rank, size)`` pairs.
 
 Vocabulary: an epoch visits the samples in an *order* (:func:`epoch_order`);

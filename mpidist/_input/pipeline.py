@@ -39,8 +39,8 @@ consumed in the epoch, whatever the number of ranks), so a checkpoint taken
 at N ranks resumes at M ranks with exactly the samples not yet seen.
 
 The arithmetic (which rows, elements and files a rank reads) lives in the
-pure functions of :mod:`mpidist._sharding`; the datasets themselves in
-:mod:`mpidist._datasets`. This module never calls MPI itself: its one
+pure functions of :mod:`mpidist._input.sharding`; the datasets themselves in
+:mod:`mpidist._input.datasets`. This module never calls MPI itself: its one
 collective goes through the strategy's communicator.
 """
 from __future__ import annotations
@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, U
 
 import numpy as np
 
-from mpidist._datasets import ArrayDataset, FileDataset, InputContext, Chunk
-from mpidist._nest import map_structure
-from mpidist._ops import ReduceOp
-from mpidist._sharding import (
+from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext, Chunk
+from mpidist._distribute.nest import map_structure
+from mpidist._comm.reduce_op import ReduceOp
+from mpidist._input.sharding import (
     SHARD_POLICIES,
     check_count,
     choose_shard_policy,
@@ -64,11 +64,11 @@ from mpidist._sharding import (
     num_steps,
     per_replica_batch_size,
 )
-from mpidist._prefetch import Converter, Prefetcher, wrap
-from mpidist._values import DistributedValues, PerReplica
+from mpidist._input.prefetch import Converter, Prefetcher, wrap
+from mpidist._distribute.values import DistributedValues, PerReplica
 
 if TYPE_CHECKING:
-    from mpidist._strategy import MPIStrategy
+    from mpidist._distribute.strategy import MPIStrategy
 
 # ArrayDataset, FileDataset and InputContext are re-exported: this module is the input API.
 __all__ = [

@@ -15,7 +15,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from mpidist._backend import Backend
+from mpidist._comm.backend import Backend
 
 __all__ = ["library_cuda_support", "resolve_cuda_aware"]
 

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from mpidist._backend import contiguous, to_host
-from mpidist._context import get_replica_context, in_cross_replica_context, require_strategy
-from mpidist._values import DistributedValues, Mirrored, PerReplica, register_component
+from mpidist._comm.backend import contiguous, to_host
+from mpidist._distribute.context import get_replica_context, in_cross_replica_context, require_strategy
+from mpidist._distribute.values import DistributedValues, Mirrored, PerReplica, register_component
 
 if TYPE_CHECKING:
-    from mpidist._strategy import MPIStrategy
+    from mpidist._distribute.strategy import MPIStrategy
 
 __all__ = [
     "MirroredVariable",

@@ -1,13 +1,13 @@
 """Fused reductions of many arrays: one agreement record, few MPI calls, no full-size temporaries.
 
-Part of the comm layer, next to :mod:`mpidist._comm` (it drives a
-:class:`~mpidist._comm.Communicator`); it knows nothing of variables. Two
+Part of the comm layer, next to :mod:`mpidist._comm.communicator` (it drives a
+:class:`~mpidist._comm.communicator.Communicator`); it knows nothing of variables. Two
 collective operations:
 
 - :meth:`Fusion.reduce_apply` reduces each array and hands the result, piece
   by piece, to an update function (``target += reduced``), while the piece is
   in cache. Arrays that lie back to back in memory (flat storage, see
-  :mod:`mpidist._flat`), together with their targets, are reduced where they
+  :mod:`mpidist._comm.flat`), together with their targets, are reduced where they
   are as one span; other arrays of at most ``options.fusion_bytes`` are packed
   into a reusable bucket of ``options.pipeline_bytes``, one MPI call per
   bucket; larger ones are reduced where they are, in pieces. The only
@@ -29,12 +29,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from mpidist._backend import array_module, is_device_array
-from mpidist._comm import _BAD, _DIMS, _FLOATS, _KIND, _NDIM, _NONFINITE, _RECORD, _SEQ, _Bad, _Kind
-from mpidist._comm import Communicator, Handle, _local_error
+from mpidist._comm.backend import array_module, is_device_array
+from mpidist._comm.communicator import _BAD, _DIMS, _FLOATS, _KIND, _NDIM, _NONFINITE, _RECORD, _SEQ, _Bad, _Kind
+from mpidist._comm.communicator import Communicator, Handle, _local_error
 from mpidist._errors import format_ranks
-from mpidist._flat import joinable, span
-from mpidist._ops import ReduceOp
+from mpidist._comm.flat import joinable, span
+from mpidist._comm.reduce_op import ReduceOp
 
 __all__ = ["Fusion"]
 

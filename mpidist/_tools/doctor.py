@@ -25,7 +25,7 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-from mpidist._backend import cupy_version, nccl_status
+from mpidist._comm.backend import cupy_version, nccl_status
 
 __all__ = ["build_parser", "collect", "diagnose", "format_report", "main"]
 
@@ -113,7 +113,7 @@ def _mpi_library() -> dict[str, Any]:
     from mpi4py import MPI
     import mpi4py
 
-    from mpidist._cuda_aware import library_cuda_support
+    from mpidist._comm.cuda_aware import library_cuda_support
 
     version = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     version = version.split(", package:")[0]  # Open MPI's line goes on with build details
@@ -188,7 +188,7 @@ def collect(device: Optional[str] = None, timeout: float = 60.0) -> Optional[dic
     """Collective over ``MPI.COMM_WORLD``: every rank's description; the report on rank 0, ``None`` elsewhere."""
     from mpi4py import MPI
 
-    from mpidist._comm import Communicator
+    from mpidist._comm.communicator import Communicator
     from mpidist._options import Options
 
     overrides: dict[str, Any] = {"timeout": timeout}

@@ -1,7 +1,7 @@
 """Prefetch for the input pipeline: chunks of steps prepared in a background thread.
 
 A :class:`Prefetcher` runs a generator of chunks (several steps of one
-rank's input, :class:`~mpidist._datasets.Chunk`) up to ``depth`` chunks
+rank's input, :class:`~mpidist._input.datasets.Chunk`) up to ``depth`` chunks
 ahead of the consumer. A :class:`Converter` moves their leaves to the
 strategy's backend: on a GPU, ``prepare`` (in the thread) starts the copy to
 the device on a side CUDA stream and ``finish`` (in the consumer) makes the
@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from mpidist._backend import DeviceStager
-from mpidist._datasets import Chunk
-from mpidist._nest import map_structure
-from mpidist._values import PerReplica
+from mpidist._comm.backend import DeviceStager
+from mpidist._input.datasets import Chunk
+from mpidist._distribute.nest import map_structure
+from mpidist._distribute.values import PerReplica
 
 __all__ = ["Converter", "Prefetcher", "wrap"]
 

@@ -9,7 +9,7 @@ point numbers are added (exactly, for integers).
 
 ``node_size`` forces the grouping (every ``node_size`` consecutive ranks form a
 "node"), so the algorithm can be tried and tested on one machine. Part of the
-comm layer: only :class:`~mpidist._comm.Communicator` uses it, also for :func:`node_split`,
+comm layer: only :class:`~mpidist._comm.communicator.Communicator` uses it, also for :func:`node_split`,
 the node-local grouping behind its local rank and GPU binding.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 if TYPE_CHECKING:
-    from mpidist._comm import Communicator
+    from mpidist._comm.communicator import Communicator
 
 __all__ = ["Hierarchy", "node_split"]
 

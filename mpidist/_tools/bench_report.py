@@ -1,4 +1,4 @@
-"""Reports of the benchmark results (see :mod:`mpidist._bench`): a Markdown table and a PNG plot.
+"""Reports of the benchmark results (see :mod:`mpidist._tools.bench`): a Markdown table and a PNG plot.
 
 Local: runs on one rank after the measurements. The plot needs matplotlib
 (the ``bench`` extra); without it only the Markdown is written.

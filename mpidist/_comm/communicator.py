@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._backend import Backend, array_module
-from mpidist._cuda_aware import resolve_cuda_aware
-from mpidist._hierarchy import Hierarchy, node_split
+from mpidist._comm.backend import Backend, array_module
+from mpidist._comm.cuda_aware import resolve_cuda_aware
+from mpidist._comm.hierarchy import Hierarchy, node_split
 from mpidist._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -33,7 +33,7 @@ from mpidist._errors import (
     NonFiniteError,
     format_ranks,
 )
-from mpidist._ops import ReduceOp
+from mpidist._comm.reduce_op import ReduceOp
 from mpidist._options import Options
 
 __all__ = ["Communicator", "Handle"]
@@ -150,7 +150,7 @@ class Communicator:
         comm: the mpi4py communicator to duplicate (default ``MPI.COMM_WORLD``).
         options: timeouts, checks and sizes (:class:`~mpidist._options.Options`);
             default: from ``MPIDIST_*`` environment variables.
-        backend: where arrays live (:class:`~mpidist._backend.Backend`); default:
+        backend: where arrays live (:class:`~mpidist._comm.backend.Backend`); default:
             chosen by ``options.device``, binding this rank's GPU by its
             node-local rank.
     """

@@ -22,10 +22,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mpidist._backend import to_host
-from mpidist._context import get_replica_context, require_strategy
-from mpidist._values import DistributedValues
-from mpidist._variables import Variable, VariableAggregation, VariableSynchronization
+from mpidist._comm.backend import to_host
+from mpidist._distribute.context import get_replica_context, require_strategy
+from mpidist._distribute.values import DistributedValues
+from mpidist._distribute.variables import Variable, VariableAggregation, VariableSynchronization
 
 __all__ = ["Accuracy", "Mean", "Sum", "exact_decode", "exact_encode", "exact_sum"]
 

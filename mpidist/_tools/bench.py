@@ -44,9 +44,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._bench_report import write_reports
-from mpidist._strategy import MPIStrategy
-from mpidist._variables import Variable, VariableAggregation
+from mpidist._tools.bench_report import write_reports
+from mpidist._distribute.strategy import MPIStrategy
+from mpidist._distribute.variables import Variable, VariableAggregation
 
 __all__ = ["main", "resnet50_shapes"]
 

@@ -1,8 +1,8 @@
 """Datasets that know nothing of MPI: arrays read in global batches, files, the input context.
 
 :class:`ArrayDataset` and :class:`FileDataset` iterate serially (one
-replica) on their own; :func:`mpidist._data.distribute_dataset` shares them
-out over the ranks with the arithmetic of :mod:`mpidist._sharding`.
+replica) on their own; :func:`mpidist._input.pipeline.distribute_dataset` shares them
+out over the ranks with the arithmetic of :mod:`mpidist._input.sharding`.
 :class:`InputContext` is what a ``dataset_fn`` learns about its rank.
 Everything here is local.
 """
@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from mpidist._backend import array_module, is_device_array
-from mpidist._nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
-from mpidist._sharding import (
+from mpidist._comm.backend import array_module, is_device_array
+from mpidist._distribute.nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
+from mpidist._input.sharding import (
     batch_plan,
     check_count,
     check_rank,

@@ -15,10 +15,10 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from mpidist._ops import ReduceOp
+from mpidist._comm.reduce_op import ReduceOp
 
 if TYPE_CHECKING:  # imported for type hints only: the strategy layer sits above this one
-    from mpidist._strategy import MPIStrategy
+    from mpidist._distribute.strategy import MPIStrategy
 
 __all__ = ["ReplicaContext", "get_replica_context", "get_strategy", "in_cross_replica_context"]
 
