@@ -266,3 +266,44 @@ def test_options_reject_unknown_and_malformed():
     with pytest.raises(ValueError, match="MPIDIST_TIMEOUT"):
         Options.resolve(env={"MPIDIST_TIMEOUT": "soon"})
     assert Options.resolve(env={"MPIDIST_TIMEOUT": "2.5", "MPIDIST_CHECK": "off"}) == Options(timeout=2.5, check_collectives=False)
+
+
+# -- byte payloads (allgather_bytes, broadcast_bytes), also with agreement checks off --------
+@pytest.fixture(scope="module", params=["self", "world", "world-unchecked"])
+def any_comm(request):
+    base = MPI.COMM_SELF if request.param == "self" else MPI.COMM_WORLD
+    options = Options.resolve(env={}, check_collectives=request.param != "world-unchecked")
+    c = Communicator(base, options)
+    yield c
+    c.free()
+
+
+def payload(rank: int) -> bytes:
+    """Rank r's payload: r bytes (rank 0 sends nothing), with values that depend on r."""
+    return bytes((rank * 7 + i) % 256 for i in range(rank))
+
+
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_allgather_bytes_returns_every_ranks_payload_in_rank_order(any_comm, repeat):
+    got = any_comm.allgather_bytes(payload(any_comm.rank), name="test")
+    assert got == [payload(r) for r in range(any_comm.size)]
+
+
+def test_allgather_bytes_of_a_large_payload(any_comm):
+    data = np.full(1 << 20, any_comm.rank, np.uint8).tobytes()
+    got = any_comm.allgather_bytes(data)
+    assert [len(g) for g in got] == [1 << 20] * any_comm.size
+    assert all(set(g) == {r} for r, g in enumerate(got))
+
+
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_broadcast_bytes_from_every_root(any_comm, repeat):
+    for root in range(any_comm.size):
+        message = f"from root {root} of {any_comm.size}".encode() * (root + 1)
+        got = any_comm.broadcast_bytes(message if any_comm.rank == root else None, root, name="test")
+        assert got == message
+
+
+def test_broadcast_bytes_of_nothing(any_comm):
+    assert any_comm.broadcast_bytes(b"" if any_comm.rank == 0 else b"ignored") == b""
+    assert any_comm.broadcast_bytes(None) == b""
