@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 
 from mpidist._errors import CheckpointError, ChecksumError
+from mpidist._units import human_size
 from mpidist._version import __version__
 
 __all__ = [
@@ -562,12 +563,3 @@ def describe_entry(entry: dict) -> dict[str, str]:
     return {"name": entry["name"], "kind": entry["kind"], "shape": str(tuple(entry["shape"])),
             "dtype": str(np.dtype(entry["dtype"])), "aggregation": entry.get("aggregation") or "",
             "size": human_size(entry["nbytes"])}
-
-
-def human_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
