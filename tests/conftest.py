@@ -18,11 +18,11 @@ import pytest
 def _mpi_description() -> str:
     from mpi4py import MPI
 
-    library = MPI.Get_library_version().strip().splitlines()[0]
-    library = " ".join(library.split(", package:")[0].split())  # Open MPI's line is long
+    from mpidist._comm.library import library_version
+
     major, minor = MPI.Get_version()
     comm = MPI.COMM_WORLD
-    return f"{library} (MPI {major}.{minor}), rank {comm.Get_rank()} of {comm.Get_size()}"
+    return f"{library_version()} (MPI {major}.{minor}), rank {comm.Get_rank()} of {comm.Get_size()}"
 
 
 def pytest_report_header(config):

@@ -16,15 +16,14 @@ from typing import Optional
 from mpi4py import MPI
 
 from mpidist._comm.backend import Backend
+from mpidist._comm.library import libmpi_paths
 
 __all__ = ["library_cuda_support", "resolve_cuda_aware"]
 
 
 def library_cuda_support() -> Optional[bool]:
     """What the loaded MPI library says of CUDA support (``None``: it has no query)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "/libmpi" in line}
-    for path in sorted(paths):
+    for path in libmpi_paths():
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
             query = lib.MPIX_Query_cuda_support

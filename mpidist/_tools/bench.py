@@ -44,9 +44,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._tools.bench_report import write_reports
+from mpidist._comm.library import library_version
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.variables import Variable, VariableAggregation
+from mpidist._tools.bench_report import write_reports
 
 __all__ = ["main", "resnet50_shapes"]
 
@@ -374,8 +375,7 @@ def run(args: argparse.Namespace) -> int:
         bench_fusion(bench)
     if "overlap" in cases:
         bench_overlap(bench, strategies["nocheck"], args.max_bytes)
-    library = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
-    meta = {"ranks": bench.size, "mpi": library.split(", package")[0],
+    meta = {"ranks": bench.size, "mpi": library_version(),
             "python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
             "machine": platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "seconds": round(time.time() - started, 1), "repeats": args.repeats,

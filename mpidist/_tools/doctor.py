@@ -23,11 +23,12 @@ import platform
 import socket
 import sys
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from mpidist._comm.backend import cupy_version, nccl_status
+from mpidist._errors import format_ranks
 
-__all__ = ["build_parser", "collect", "diagnose", "format_report", "main"]
+__all__ = ["add_arguments", "build_parser", "collect", "detect_launcher", "diagnose", "format_report", "run"]
 
 # Ancestor process names that identify a launcher (/proc/PID/comm, at most 15 characters).
 _LAUNCHER_PROCESSES = {
@@ -114,19 +115,13 @@ def _mpi_library() -> dict[str, Any]:
     import mpi4py
 
     from mpidist._comm.cuda_aware import library_cuda_support
+    from mpidist._comm.library import libmpi_paths, library_version
 
-    version = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
-    version = version.split(", package:")[0]  # Open MPI's line goes on with build details
-    paths: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line and line.split()[-1].startswith("/")})
-    except OSError:
-        pass
+    paths = libmpi_paths()
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     return {
-        "library": version,
+        "library": library_version(),
         "standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": mpi4py.__version__,
         "libmpi": paths,
@@ -223,28 +218,6 @@ def collect(device: Optional[str] = None, timeout: float = 60.0) -> Optional[dic
 
 
 # -- what is wrong -------------------------------------------------------------------------------
-def _span(cores: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    parts, start, prev = [], None, None
-    for c in sorted(cores):
-        if start is None:
-            start = prev = c
-        elif c == prev + 1:
-            prev = c
-        else:
-            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = c
-    if start is not None:
-        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ",".join(parts) or "-"
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    from mpidist._errors import format_ranks
-
-    return format_ranks(list(ranks))
-
-
 def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list[tuple[str, str]]:
     """Problems found in a :func:`collect` report, as ``(warning, fix)`` pairs. Local."""
     problems: list[tuple[str, str]] = []
@@ -281,7 +254,7 @@ def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list
                     + (f" x {local[0]['threads']} threads" if (local[0]["threads"] or 1) > 1 else ""))
             problems.append((
                 f"node {host} is oversubscribed: {what} on {len(usable)} core{'s' if len(usable) != 1 else ''} "
-                f"({_span(sorted(usable))}); the ranks take turns and every collective waits for the slowest",
+                f"({format_ranks(usable)}); the ranks take turns and every collective waits for the slowest",
                 "start at most one rank per core (Slurm: --ntasks-per-node, --cpus-per-task and "
                 "OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK), or fewer threads per rank"))
         else:
@@ -289,7 +262,7 @@ def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list
             shared = sorted({r["rank"] for a in bound for r in bound if r is not a and set(a["cores"]) & set(r["cores"])})
             if shared:
                 problems.append((
-                    f"on node {host}, ranks {_ranks_text(shared)} are bound to overlapping cores while others "
+                    f"on node {host}, ranks {format_ranks(shared)} are bound to overlapping cores while others "
                     "stay idle",
                     "bind each rank to cores of its own (srun --cpu-bind=cores; Open MPI: --map-by slot:PE=N), "
                     "or do not bind (mpiexec --bind-to none)"))
@@ -300,13 +273,13 @@ def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list
         for bus, users in sorted(gpus.items()):
             if len(users) > 1:
                 problems.append((
-                    f"on node {host}, ranks {_ranks_text(users)} share the GPU at {bus}",
+                    f"on node {host}, ranks {format_ranks(users)} share the GPU at {bus}",
                     "start one rank per GPU: --ntasks-per-node equal to the GPUs per node and --gpus-per-task=1 "
                     "(or fewer ranks); mpidist binds GPU (node-local rank % visible GPUs)"))
         cpu_on_gpu_node = [r["rank"] for r in local if r["gpu"] is None and r["nvidia_devices"]]
         if cpu_on_gpu_node and report.get("requested_device", "auto") != "cpu":
             problems.append((
-                f"node {host} has NVIDIA devices, but ranks {_ranks_text(cpu_on_gpu_node)} compute with NumPy "
+                f"node {host} has NVIDIA devices, but ranks {format_ranks(cpu_on_gpu_node)} compute with NumPy "
                 "on the CPU",
                 "install CuPy (pip install 'mpidist[cuda]') and check CUDA_VISIBLE_DEVICES; "
                 "MPIDIST_DEVICE=cpu makes the CPU choice explicit"))
@@ -366,7 +339,7 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
         ("launcher", report["launcher"]),
         ("Slurm", slurm_text),
         ("ranks", f"{size} on {nodes} node{'s' if nodes != 1 else ''}, {per_node_text} per node ("
-                  + "; ".join(f"{h}: {_ranks_text(v)}" for h, v in sorted(hosts.items())) + ")"),
+                  + "; ".join(f"{h}: {format_ranks(v)}" for h, v in sorted(hosts.items())) + ")"),
         ("arrays", ", ".join("NumPy on the CPU" if d == "numpy" else "CuPy on a GPU per rank" for d in devices)),
         ("CUDA-aware MPI", _cuda_text(report)),
         ("NCCL", report["nccl"]),
@@ -378,7 +351,7 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
     for r in ranks:
         gpu = r["gpu"]
         gpu_text = f"{gpu['device']}: {gpu['name']} ({gpu['pci_bus_id']})" if gpu else "-"
-        table.append((str(r["rank"]), r["host"], f"{r['local_rank']}/{r['local_size']}", _span(r["cores"]),
+        table.append((str(r["rank"]), r["host"], f"{r['local_rank']}/{r['local_size']}", format_ranks(r["cores"]),
                       str(r["threads"]) if r["threads"] else "-", gpu_text,
                       r["cuda_visible_devices"] if r["cuda_visible_devices"] is not None else "-"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
@@ -396,12 +369,6 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
     for note in notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the doctor on every rank; rank 0 prints. Returns the exit status (same on every rank)."""
-    args = build_parser().parse_args(argv)
-    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
