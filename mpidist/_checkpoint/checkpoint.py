@@ -1,8 +1,8 @@
-"""Checkpoints of distributed variables, plain arrays and input positions (contract C6).
+"""Checkpoints of distributed variables, plain arrays and input positions.
 
 ``Checkpoint(**items)`` names what to save; :meth:`Checkpoint.save` and
 :meth:`Checkpoint.restore` are collective over the variables' strategy. The
-seed's saving rules (TF's ``_MirroredSaveable`` / ``_TowerLocalSaveable``):
+saving rules of TF's ``_MirroredSaveable`` / ``_TowerLocalSaveable``:
 
 - a mirrored variable saves its value once and restores it to every rank;
 - a sync-on-read variable saves its reduced value (what ``read_value()``

@@ -19,10 +19,9 @@ Every rank runs the same number of steps. When the number is known on every
 rank without communication (``len()`` of the dataset, array datasets), no
 collective is made. Otherwise ranks agree with one small allreduce (MIN of
 the number of steps each rank has ready, a 0-d int64) per *chunk* of steps
-(``steps_per_transfer``, default 1): measured 5-10 microseconds per step at
-2 ranks on one node (about 4 of them for the strategy's metadata check,
-``check_collectives``), a network latency or two across nodes; larger chunks
-divide that cost. A rank whose source raises tells the others through the
+(``steps_per_transfer``, default 1): the latency of one small allreduce
+(and of the strategy's metadata check, ``check_collectives``) per chunk;
+larger chunks divide that cost. A rank whose source raises tells the others through the
 same allreduce, so they raise too instead of waiting. Elements past the last
 step that every rank has are dropped.
 
@@ -444,7 +443,7 @@ class DistributedIterator:
 
 def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool = True, *, prefetch: int = 2,
                        steps_per_transfer: int = 1, shard_policy: str = "auto") -> DistributedDataset:
-    """Distribute ``dataset`` over the strategy's replicas (contract C7). Local.
+    """Distribute ``dataset`` over the strategy's replicas. Local.
 
     - Any iterable: with ``auto_shard`` rank ``r`` receives element
       ``s * N + r`` at step ``s``; without it every rank receives every
@@ -463,7 +462,7 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
         prefetch: chunks prepared ahead in a background thread (0: prepare
             each step when ``next()`` asks for it). The thread hides the
             preparation behind your step when it has a core (or, on a GPU, a
-            copy engine) to itself; each hand-off costs tens of microseconds,
+            copy engine) to itself; each hand-off can cost more than gathering a small batch,
             so use 0 when every core runs a rank and batches are cheap.
         steps_per_transfer: steps gathered, copied to the device and agreed
             on together (pass ``iterations`` of :func:`run_steps_on_dataset`).
@@ -505,7 +504,7 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
 
 def distribute_datasets_from_function(strategy: "MPIStrategy", dataset_fn: Callable[[InputContext], Any], *,
                                       prefetch: int = 2, steps_per_transfer: int = 1) -> DistributedDataset:
-    """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns (contract C7).
+    """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns.
 
     The call is local, made once, here. Each step every rank takes the next
     element of its own iterable; iterating is collective: the first ``next()``
@@ -581,7 +580,7 @@ class MultiStepContext:
 
 def run_steps_on_dataset(strategy: "MPIStrategy", fn: Callable[[MultiStepContext, Any], Any],
                          iterator: Iterator[Any], iterations: int) -> MultiStepContext:
-    """Run ``fn(ctx, inputs)`` in replica context for up to ``iterations`` steps (contract C7).
+    """Run ``fn(ctx, inputs)`` in replica context for up to ``iterations`` steps.
 
     ``inputs`` is the next element of ``iterator`` with ``PerReplica`` values
     unwrapped, as in ``strategy.run``. Stops early, on every rank alike, when
