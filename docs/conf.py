@@ -50,7 +50,7 @@ API_SECTIONS = [
     ("Input", ("mpidist._input.pipeline", "mpidist._input.datasets", "mpidist._input.sharding")),
     ("Metrics", ("mpidist._distribute.metrics",)),
     ("Checkpoints", ("mpidist._checkpoint.checkpoint", "mpidist._checkpoint.format")),
-    ("Communicator", ("mpidist._comm.communicator",)),
+    ("Communicator", ("mpidist._comm.communicator", "mpidist._comm.handle")),
     ("Errors", ("mpidist._errors",)),
 ]
 

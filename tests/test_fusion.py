@@ -18,7 +18,6 @@ from arrays import assert_equal, host
 from mpidist import CollectiveMismatchError, MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
 from mpidist._comm.communicator import Communicator
 from mpidist._comm.flat import FlatStore, joinable
-from mpidist._comm.fusion import Fusion
 from mpidist._options import Options
 from test_comm import NUMERIC, contribution, defined, expected
 
@@ -32,7 +31,7 @@ OPS = ["sum", "mean", "min", "max", "prod", None]  # None: rank 0's value
 @pytest.fixture(scope="module")
 def fusion():
     comm = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024, fusion_bytes=256))
-    yield Fusion(comm)
+    yield comm
     comm.free()
 
 
@@ -62,7 +61,7 @@ def inputs(comm: Communicator, dtype: str, flat: bool) -> list[np.ndarray]:
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_reduce_apply_matches_plain_reduction(fusion, dtype, flat, in_place):
-    comm = fusion._comm
+    comm = fusion
     for op in [o for o in OPS if applicable(o, dtype)]:
         reduce_op = None if op is None else ReduceOp.of(op)
         for _ in range(2):
@@ -80,7 +79,7 @@ def test_reduce_apply_matches_plain_reduction(fusion, dtype, flat, in_place):
 
 
 def test_reduce_apply_mixed_ops_and_dtypes(fusion):
-    comm = fusion._comm
+    comm = fusion
     n = comm.size
     specs = [("float32", ReduceOp.MEAN), ("int64", ReduceOp.SUM), ("float32", ReduceOp.SUM), ("float64", None),
              ("float32", ReduceOp.MEAN), ("int64", ReduceOp.SUM)]
@@ -95,7 +94,7 @@ def test_reduce_apply_mixed_ops_and_dtypes(fusion):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
-    comm = fusion._comm
+    comm = fusion
     for op in [o for o in OPS if o is not None and applicable(o, dtype)]:
         for _ in range(2):
             arrays = [contribution(comm.rank, shape, dtype) for shape in SHAPES]
@@ -113,7 +112,7 @@ def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
 
 
 def test_fused_mismatch_names_the_array_and_modifies_nothing(fusion):
-    comm = fusion._comm
+    comm = fusion
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
     sends = [np.ones(3), np.ones(4 + comm.rank % 2), np.ones(2)]

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from mpidist import MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
 from mpidist._comm.communicator import Communicator
-from mpidist._comm.fusion import Fusion
+from mpidist._comm.hierarchy import Hierarchy
 from mpidist._comm.hierarchy import Hierarchy
 from mpidist._options import Options
 from test_comm import NUMERIC, contribution, defined, expected
@@ -41,12 +41,13 @@ def hier(request):
 
 
 def test_groups_follow_the_forced_node_size(hier):
-    h = hier._hierarchy
+    h = Hierarchy(hier.mpi_comm, hier.options.node_size)
     k = hier.options.node_size or hier.size  # one machine: the shared-memory node holds every rank
     assert h.num_nodes == -(-hier.size // k)
     assert h.node.size == min(k, hier.size - (hier.rank // k) * k) and h.node.rank == hier.rank % k
     assert h.is_leader == (hier.rank % k == 0)
     assert (h.leaders != MPI.COMM_NULL) == h.is_leader
+    h.free()
 
 
 @pytest.mark.parametrize("op,dtype", OPS_DTYPES)
@@ -63,7 +64,7 @@ def test_hierarchical_equals_flat(flat, hier, op, dtype):
 
 
 def test_hierarchical_fused_paths(flat, hier):
-    fused = Fusion(hier)
+    fused = hier
     arrays = [contribution(hier.rank, shape, "float32") for shape in [(3,), (600,), (), (2, 2)]]
     want = [flat.allreduce(a, "mean") for a in arrays]
     for _ in range(2):

@@ -1,8 +1,9 @@
 """Fused reductions of many arrays: one agreement record, few MPI calls, no full-size temporaries.
 
-Part of the comm layer, next to :mod:`mpidist._comm.communicator` (it drives a
-:class:`~mpidist._comm.communicator.Communicator`); it knows nothing of variables. Two
-collective operations:
+Part of the comm layer: the :class:`~mpidist.Communicator`'s
+``reduce_apply``, ``allreduce_many`` and ``iallreduce_many`` run here, over
+its transport and agreement; it knows nothing of variables. Two collective
+operations:
 
 - :meth:`Fusion.reduce_apply` reduces each array and hands the result, piece
   by piece, to an update function (``target += reduced``), while the piece is
@@ -24,32 +25,35 @@ array that differs. ``op`` ``None`` means rank 0's value (a broadcast).
 """
 from __future__ import annotations
 
-import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from mpidist._comm.backend import array_module, is_device_array
-from mpidist._comm.communicator import _BAD, _DIMS, _FLOATS, _KIND, _NDIM, _NONFINITE, _RECORD, _SEQ, _Bad, _Kind
-from mpidist._comm.communicator import Communicator, Handle, _local_error
-from mpidist._errors import format_ranks
+from mpidist._comm.agreement import Agreement
+from mpidist._comm.backend import Backend, array_module, is_device_array
 from mpidist._comm.flat import joinable, span
+from mpidist._comm.handle import Handle
 from mpidist._comm.reduce_op import ReduceOp
+from mpidist._comm.transport import Transport
 
-__all__ = ["Fusion"]
+__all__ = ["Fusion", "UpdateFn"]
 
 Op = Optional[ReduceOp]  # None: rank 0's value
 UpdateFn = Callable[[Any, Any], Any]
 
 
 class Fusion:
-    """Fused reductions over ``comm``; holds the reusable buckets (one per array module and dtype).
+    """Fused reductions over ``transport``; holds the reusable buckets (one per array module and dtype).
 
-    Local construction. Every method is collective over ``comm``.
+    Local construction. Every method is collective over the transport's communicator.
     """
 
-    def __init__(self, comm: Communicator) -> None:
-        self._comm = comm
+    def __init__(self, transport: Transport, agreement: Agreement, backend: Backend, cuda_aware: bool) -> None:
+        self._transport = transport
+        self._agreement = agreement
+        self._backend = backend
+        self._cuda_aware = cuda_aware
+        self._options = transport.options
         self._buckets: dict[tuple[type, np.dtype], Any] = {}
 
     # -- reduce and apply ------------------------------------------------------------
@@ -66,11 +70,11 @@ class Fusion:
         (arrays reduced where they are need no bucket then: the fastest path
         for large buffers); without, they are left as they are.
         """
-        what = self._agree(sends, ops, names)
+        what = self._agreement.agree_many(sends, ops, names)
         if len(sends) == 1:  # the per-update latency path
             self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place)
             return
-        limit = min(self._comm.options.fusion_bytes, self._comm.options.pipeline_bytes)
+        limit = min(self._options.fusion_bytes, self._options.pipeline_bytes)
         for op, members in self._groups(sends, ops):
             bucket: list[tuple[Any, Any]] = []
             used = 0
@@ -78,7 +82,7 @@ class Fusion:
                 if send.nbytes > limit:  # large: reduce it where it is
                     self._stream(what, send, target, op, fn, in_place)
                     continue
-                if used + send.nbytes > self._comm.options.pipeline_bytes:
+                if used + send.nbytes > self._options.pipeline_bytes:
                     self._flush(what, bucket, op, fn, in_place)
                     bucket, used = [], 0
                 bucket.append((send, target))
@@ -139,8 +143,8 @@ class Fusion:
         afterwards; the pieces advance while this rank is inside MPI (see
         :meth:`Communicator.iallreduce`).
         """
-        comm = self._comm
-        what = self._agree(arrays, [op] * len(arrays), names)
+        t = self._transport
+        what = self._agreement.agree_many(arrays, [op] * len(arrays), names)
         results: list[Any] = [None] * len(arrays)
         requests: list[Any] = []
         steps: list[Callable[[], None]] = []
@@ -148,16 +152,16 @@ class Fusion:
             out = self._outputs(arrays, members, results)
             for i in members:
                 results[i][...] = arrays[i]
-            host = comm.backend.to_mpi(out, comm.cuda_aware, reuse=False)
-            started, complete = comm._start_pieces(
-                what, [(None, host[lo:hi]) for lo, hi in comm._pieces(host)], comm._mpi_op(op, out.dtype))
+            host = self._backend.to_mpi(out, self._cuda_aware, reuse=False)
+            started, complete = t.start_pieces(
+                what, [(None, host[lo:hi]) for lo, hi in t.pieces(host)], t.mpi_op(op, out.dtype))
             requests += started
 
             def step(out: Any = out, host: Any = host, complete: Callable[[], None] = complete) -> None:
                 complete()
-                comm.backend.from_mpi(out, host)
+                self._backend.from_mpi(out, host)
                 if op is ReduceOp.MEAN:
-                    out /= comm.size
+                    out /= t.size
 
             steps.append(step)
 
@@ -166,7 +170,7 @@ class Fusion:
                 step()
             return then(results)
 
-        return Handle(comm, what, requests, finish)
+        return Handle(t, what, requests, finish)
 
     # -- shared parts ---------------------------------------------------------------------
     def _outputs(self, arrays: Sequence[Any], members: list[int], results: list[Any]) -> Any:
@@ -184,7 +188,7 @@ class Fusion:
         key = (type(like), like.dtype)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = array_module(like).empty(max(1, self._comm.options.pipeline_bytes // like.itemsize), dtype=like.dtype)
+            bucket = array_module(like).empty(max(1, self._options.pipeline_bytes // like.itemsize), dtype=like.dtype)
             self._buckets[key] = bucket
         return bucket
 
@@ -194,27 +198,26 @@ class Fusion:
         The result is in ``buf``, except for ``op`` ``None`` on rank 0, which
         keeps its own ``send``.
         """
-        comm = self._comm
-        backend = comm.backend
+        t, backend = self._transport, self._backend
         if op is None:
-            source = send if send is not None and comm.rank == 0 else buf
-            host = backend.to_mpi(source, comm.cuda_aware)
-            comm._run(what, "Bcast", host, 0)
+            source = send if send is not None and t.rank == 0 else buf
+            host = backend.to_mpi(source, self._cuda_aware)
+            t.broadcast(what, host, 0)
             if source is buf:
                 backend.from_mpi(buf, host)
             return source
-        mpi_op = comm._mpi_op(op, buf.dtype)
+        mpi_op = t.mpi_op(op, buf.dtype)
         if not is_device_array(buf):
-            comm._reduce(what, send, buf, mpi_op)
+            t.reduce(what, send, buf, mpi_op)
         else:
-            if send is not None and backend.needs_staging(buf, comm.cuda_aware):
+            if send is not None and backend.needs_staging(buf, self._cuda_aware):
                 buf[...] = send  # stage one buffer, reduced in place
                 send = None
-            host = backend.to_mpi(buf, comm.cuda_aware)
-            comm._reduce(what, send, host, mpi_op)
+            host = backend.to_mpi(buf, self._cuda_aware)
+            t.reduce(what, send, host, mpi_op)
             backend.from_mpi(buf, host)
         if op is ReduceOp.MEAN:
-            buf /= comm.size
+            buf /= t.size
         return buf
 
     @staticmethod
@@ -225,65 +228,11 @@ class Fusion:
             groups.setdefault((a.dtype.str, op), []).append(i)
         return [(key[1], members) for key, members in groups.items()]
 
-    def _agree(self, arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> str:
-        """Collective: validate locally and agree on the whole list with one record; returns its description."""
-        comm = self._comm
-        if len(arrays) == 1:
-            kind = _Kind.BROADCAST if ops[0] is None else _Kind.ALLREDUCE
-            comm._agree(kind, arrays[0], ops[0], name=names[0],
-                        check_finite=comm.options.check_finite and ops[0] is not None)
-            return ("broadcast of " if ops[0] is None else "allreduce of ") + repr(names[0])
-        what = f"fused reduction of {len(arrays)} arrays ({_names(names)})"
-        seq = comm._begin()
-        bad, message = _Bad.OK, ""
-        for a, op, name in zip(arrays, ops, names):
-            bad, message = comm._validate(a, op, name)
-            if bad:
-                break
-        check_finite = comm.options.check_finite
-        if not (comm._agreement_on() or check_finite):
-            if bad:
-                raise _local_error(bad, message)
-            return what
-        layout = [] if bad else [_describe(a, op, name) for a, op, name in zip(arrays, ops, names)]
-        record = np.zeros(_RECORD, dtype=np.int64)
-        record[_SEQ], record[_KIND], record[_NDIM], record[_BAD] = seq, _Kind.FUSED, len(arrays), bad
-        record[_DIMS] = zlib.crc32("\n".join(f"{op} {a.dtype.str}{a.shape}" for a, op in zip(arrays, ops)).encode()
-                                   ) if not bad else 0
-        record[_DIMS + 1] = sum(int(a.size) for a in arrays) if not bad else 0
-        if check_finite and not bad:
-            record[_NONFINITE] = any(not bool(array_module(a).isfinite(a).all())
-                                     for a, op in zip(arrays, ops) if op is not None and a.dtype.char in _FLOATS)
-
-        def explain() -> str:
-            tables = [t.decode().split("\n") for t in comm.allgather_bytes("\n".join(layout).encode(),
-                                                                            name="fused layout")]
-            for i in range(max(len(t) for t in tables)):
-                column: dict[str, list[int]] = {}
-                for r, table in enumerate(tables):
-                    column.setdefault(table[i] if i < len(table) else "(no such array)", []).append(r)
-                if len(column) > 1:
-                    return (f"; first difference at array #{i}: " +
-                            "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}: {text}"
-                                      for text, rs in column.items()))
-            return ""
-
-        comm._settle(_Kind.FUSED, record, bad, message, what, explain)
-        return what
 
 
 def _assign(target: Any, reduced: Any) -> None:
     target[...] = reduced
 
-
-def _describe(array: Any, op: Op, name: str) -> str:
-    how = "rank 0's value" if op is None else op.value
-    return f"{name!r} {how} {array.dtype.name}{list(array.shape)}"
-
-
-def _names(names: Sequence[str], shown: int = 3) -> str:
-    listed = ", ".join(repr(n) for n in names[:shown])
-    return listed + (f", ... {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _runs(sends: Sequence[Any], targets: Sequence[Any]) -> list[tuple[Any, Any]]:

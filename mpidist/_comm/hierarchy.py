@@ -9,8 +9,8 @@ point numbers are added (exactly, for integers).
 
 ``node_size`` forces the grouping (every ``node_size`` consecutive ranks form a
 "node"), so the algorithm can be tried and tested on one machine. Part of the
-comm layer: only :class:`~mpidist._comm.communicator.Communicator` uses it, also for :func:`node_split`,
-the node-local grouping behind its local rank and GPU binding.
+comm layer: the :class:`~mpidist._comm.transport.Transport` runs it; :func:`node_split` is the
+node-local grouping behind the communicator's local rank and GPU binding.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 if TYPE_CHECKING:
-    from mpidist._comm.communicator import Communicator
+    from mpidist._comm.transport import Transport
 
 __all__ = ["Hierarchy", "node_split"]
 
@@ -67,27 +67,27 @@ class Hierarchy:
             if c != MPI.COMM_NULL:
                 c.Free()
 
-    def allreduce(self, comm: "Communicator", what: str, send: Any, recv: Any, op: MPI.Op) -> None:
-        """Collective over ``comm``: ``recv`` <- the reduction of every rank's ``send`` (``recv`` if ``None``)."""
-        self._reduce_to_leader(comm, what, send, recv, op, blocking=True)
-        self.complete(comm, what, recv, op)
+    def allreduce(self, transport: "Transport", what: str, send: Any, recv: Any, op: MPI.Op) -> None:
+        """Collective over ``transport``: ``recv`` <- the reduction of every rank's ``send`` (``recv`` if ``None``)."""
+        self._reduce_to_leader(transport, what, send, recv, op, blocking=True)
+        self.complete(transport, what, recv, op)
 
-    def start(self, comm: "Communicator", send: Any, recv: Any, op: MPI.Op) -> MPI.Request:
+    def start(self, transport: "Transport", send: Any, recv: Any, op: MPI.Op) -> MPI.Request:
         """Collective, nonblocking first stage (the reduction within the node); finish with :meth:`complete`."""
-        return self._reduce_to_leader(comm, "", send, recv, op, blocking=False)
+        return self._reduce_to_leader(transport, "", send, recv, op, blocking=False)
 
-    def complete(self, comm: "Communicator", what: str, recv: Any, op: MPI.Op) -> None:
+    def complete(self, transport: "Transport", what: str, recv: Any, op: MPI.Op) -> None:
         """Collective: the leaders' allreduce of ``recv``, then the broadcast within each node (blocking)."""
         if self.is_leader and self.leaders.size > 1:
-            comm._run(what, "Allreduce", MPI.IN_PLACE, recv, op, comm=self.leaders)
-        comm._run(what, "Bcast", recv, 0, comm=self.node)
+            transport.run(what, "Allreduce", MPI.IN_PLACE, recv, op, comm=self.leaders)
+        transport.run(what, "Bcast", recv, 0, comm=self.node)
 
-    def _reduce_to_leader(self, comm: "Communicator", what: str, send: Any, recv: Any, op: MPI.Op,
+    def _reduce_to_leader(self, transport: "Transport", what: str, send: Any, recv: Any, op: MPI.Op,
                           blocking: bool) -> Any:
         if self.is_leader:
             args = (MPI.IN_PLACE if send is None else send, recv, op, 0)
         else:
             args = (recv if send is None else send, None, op, 0)
         if blocking:
-            return comm._run(what, "Reduce", *args, comm=self.node)
-        return comm._start("Reduce", *args, comm=self.node)
+            return transport.run(what, "Reduce", *args, comm=self.node)
+        return transport.start("Reduce", *args, comm=self.node)

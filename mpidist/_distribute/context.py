@@ -43,7 +43,7 @@ def _top() -> Optional[_Frame]:
     return _stack.frames[-1] if _stack.frames else None
 
 
-class _enter:
+class enter_context:
     """Context manager: push a cross-replica (``replica=None``) or replica frame for ``strategy``. Local.
 
     A class rather than a generator: it runs on every ``strategy.run`` and variable update.
@@ -123,7 +123,7 @@ class ReplicaContext:
         back to the replica with distributed values (other than variables)
         replaced by this replica's component.
         """
-        return self.strategy._merge_call(self, merge_fn, tuple(args), dict(kwargs or {}))
+        return self.strategy.extended.merge_call(merge_fn, tuple(args), dict(kwargs or {}))
 
     def all_reduce(self, reduce_op: Union[ReduceOp, str], value: Any) -> Any:
         """Collective: reduce a nest of arrays across replicas; every replica gets the result.
@@ -131,4 +131,4 @@ class ReplicaContext:
         All arrays of the nest are reduced together; the result has the
         nest's structure with plain arrays, identical on every rank.
         """
-        return self.strategy._all_reduce_nest(reduce_op, value)
+        return self.strategy.extended.reduce(reduce_op, value)

@@ -12,37 +12,25 @@ import zlib
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
-from mpi4py import MPI
 
-from mpidist._comm.backend import Backend, array_module, contiguous, to_host
 from mpidist._comm.abort import install_abort_on_error
-from mpidist._comm.communicator import Communicator, Handle
-from mpidist._errors import MirrorDivergenceError, format_ranks
-from mpidist._distribute.context import ReplicaContext, _enter, get_replica_context
-from mpidist._comm.flat import FlatStore, zeros_like_layout
-from mpidist._comm.fusion import Fusion
-from mpidist._distribute.nest import flatten as _flatten
-from mpidist._distribute.nest import map_structure, pack_sequence_as
+from mpidist._comm.backend import Backend, array_module, contiguous, to_host
+from mpidist._comm.communicator import Communicator, Handle, duplicate_world
+from mpidist._comm.flat import zeros_like_layout
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._options import Options
+from mpidist._distribute.context import enter_context, get_replica_context
+from mpidist._distribute.extended import StrategyExtended, is_array
+from mpidist._distribute.nest import flatten, map_structure
 from mpidist._distribute.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
-from mpidist._distribute.variables import _UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
+from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
+from mpidist._errors import MirrorDivergenceError, format_ranks
+from mpidist._options import Options
 
 __all__ = ["MPIStrategy"]
 
-# How a mirrored variable's aggregation combines the replicas' update values (None: replica 0's).
-_AGGREGATION_OPS = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN,
-                    VariableAggregation.ONLY_FIRST_REPLICA: None}
-
-
-def _is_array(x: Any) -> bool:
-    """NumPy/CuPy arrays (not distributed values): what ``merge_call`` wraps as ``PerReplica``."""
-    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, DistributedValues)
-
-
 def _is_numeric_leaf(x: Any) -> bool:
     """Arrays and numbers: what ``run`` wraps as ``PerReplica``."""
-    return _is_array(x) or (isinstance(x, (int, float, complex, np.generic)) and not isinstance(x, bool))
+    return is_array(x) or (isinstance(x, (int, float, complex, np.generic)) and not isinstance(x, bool))
 
 
 class MPIStrategy:
@@ -67,13 +55,12 @@ class MPIStrategy:
             ``ValueError``.
     """
 
-    def __init__(self, comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
+    def __init__(self, comm: Any = None, **options: Any) -> None:
         self.options = Options.resolve(**options)
         self._own_comm = comm is None
-        self.comm: MPI.Intracomm = MPI.COMM_WORLD.Dup() if comm is None else comm
+        self.comm = duplicate_world() if comm is None else comm
         self._communicator = Communicator(self.comm, self.options)
-        self._fusion = Fusion(self._communicator)
-        self._flat = FlatStore(self.backend.xp) if self.options.flat_variables else None
+        self._extended = StrategyExtended(self, self._communicator, self.options)
         if self.options.abort_on_error:
             install_abort_on_error()
 
@@ -98,6 +85,11 @@ class MPIStrategy:
         """The array communicator running mpidist's collectives."""
         return self._communicator
 
+    @property
+    def extended(self) -> StrategyExtended:
+        """The strategy's collectives on components, as variables, contexts and checkpoints use them."""
+        return self._extended
+
     def __repr__(self) -> str:
         return f"<MPIStrategy rank {self.rank} of {self.num_replicas_in_sync}, {self.backend!r}>"
 
@@ -111,7 +103,7 @@ class MPIStrategy:
     @contextlib.contextmanager
     def scope(self) -> Iterator["MPIStrategy"]:
         """Context manager: cross-replica context of this strategy (variables are created here). Local."""
-        with _enter(self):
+        with enter_context(self):
             yield self
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -129,17 +121,9 @@ class MPIStrategy:
         unwrap = lambda x: x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
         args = map_structure(unwrap, tuple(args)) if args else ()
         kwargs = map_structure(unwrap, dict(kwargs)) if kwargs else {}
-        with _enter(self, ReplicaContext(self, self.rank)):
+        with enter_context(self, self._extended.replica_context()):
             result = fn(*args, **kwargs)
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
-
-    def _merge_call(self, replica: ReplicaContext, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        wrapped = regroup({self.rank: (args, kwargs)}, PerReplica, wrap_identical=_is_array)
-        with _enter(self):
-            result = merge_fn(self, *wrapped[0], **wrapped[1])
-        keep_variables = lambda x: x if isinstance(x, DistributedVariable) else (
-            x.get(self.rank) if isinstance(x, DistributedValues) else x)
-        return map_structure(keep_variables, result)
 
     # -- cross-replica collectives -----------------------------------------------------------
     def reduce(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
@@ -152,7 +136,7 @@ class MPIStrategy:
         over all elements of the global batch, also when replicas hold
         different numbers of elements.
         """
-        return self._all_reduce_nest(reduce_op, value, axis)
+        return self._extended.reduce(reduce_op, value, axis)
 
     def reduce_async(self, reduce_op: Union[ReduceOp, str], value: Any) -> Handle:
         """Collective, nonblocking :meth:`reduce` (without ``axis``): returns a :class:`~mpidist.Handle`.
@@ -164,48 +148,7 @@ class MPIStrategy:
         (``handle.test()`` drives it); see the docs for what each MPI library
         does in the background.
         """
-        op = ReduceOp.of(reduce_op)
-        leaves = _flatten(value)
-        arrays = [self._prepared(op, leaf) for leaf in leaves]
-        return self._fusion.iallreduce_many(arrays, op, [f"reduce_async[{i}]" for i in range(len(arrays))],
-                                            then=lambda results: pack_sequence_as(value, results))
-
-    def _all_reduce_nest(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
-        op = ReduceOp.of(reduce_op)
-        leaves = _flatten(value)
-        if axis is None and len(leaves) > 1:  # all leaves together: few MPI calls, one agreement record
-            arrays = [self._prepared(op, leaf) for leaf in leaves]
-            return pack_sequence_as(value, self._fusion.allreduce_many(
-                arrays, op, [f"reduce[{i}]" for i in range(len(arrays))]))
-        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
-            return map_structure(lambda x: self._communicator.allreduce(self._prepared(op, x), op), value)
-        return map_structure(lambda x: self._sum_or_mean(op, self._local(x), axis), value)
-
-    def _prepared(self, op: ReduceOp, value: Any) -> Any:
-        """This rank's component of ``value`` as a contiguous array ``op`` can reduce (MEAN of integers: float64)."""
-        local = self._local(value)
-        if op is ReduceOp.MEAN and local.dtype.kind in "iub":
-            local = local.astype(np.float64)
-        return contiguous(local)
-
-    def _sum_or_mean(self, op: ReduceOp, local: Any, axis: Optional[int]) -> Any:
-        if axis is None:
-            return self._communicator.allreduce(self._prepared(op, local), op)
-        if op is ReduceOp.MEAN and local.dtype.kind in "iub":
-            local = local.astype(np.float64)
-        total = self._communicator.allreduce(contiguous(local.sum(axis=axis)), ReduceOp.SUM)
-        if op is ReduceOp.MEAN:
-            count = self._communicator.allreduce(np.array(local.shape[axis], dtype=np.int64), ReduceOp.SUM, name="count")
-            total /= int(count)
-        return total
-
-    def _local(self, value: Any) -> Any:
-        """This rank's component of ``value`` as an array of the backend's module."""
-        if isinstance(value, DistributedValues):
-            value = value.get(self.rank)
-        if hasattr(value, "dtype") and hasattr(value, "shape"):
-            return value
-        return self.backend.asarray(value)
+        return self._extended.reduce_async(reduce_op, value)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Collective: concatenate all replicas' components along ``axis``, in replica order.
@@ -213,7 +156,7 @@ class MPIStrategy:
         Components may differ in length along ``axis``; the other dimensions
         must agree. Every rank gets the whole result.
         """
-        local = self._local(value)
+        local = self._extended.local(value)
         xp = array_module(local)
         if local.ndim == 0:
             return self._communicator.allgather(local, name="gather")
@@ -222,7 +165,7 @@ class MPIStrategy:
 
     def broadcast(self, value: Any, root: int = 0) -> Any:
         """Collective: root's ``value`` (an array or number, the same shape on every rank) on every rank."""
-        array = self.backend.asarray(self._local(value)).copy()
+        array = self.backend.asarray(self._extended.local(value)).copy()
         return self._communicator.broadcast(array, root=root, name="broadcast")
 
     def barrier(self) -> None:
@@ -312,7 +255,7 @@ class MPIStrategy:
                 raise TypeError(f"strategy.batch_update expects mirrored variables, got {type(v).__name__} {v!r}")
             if v.strategy is not self:
                 raise ValueError(f"strategy.batch_update: variable {v.name!r} belongs to another strategy, {v.strategy!r}")
-        update = _UPDATES[fn] if isinstance(fn, str) else fn
+        update = UPDATES[fn] if isinstance(fn, str) else fn
         values = [v._coerce(x) for v, x in pairs]
         if get_replica_context() is None:
             for v, x in zip(variables, values):
@@ -322,7 +265,7 @@ class MPIStrategy:
             if v.aggregation is VariableAggregation.NONE:
                 raise ValueError(f"rank {self.rank}: strategy.batch_update of {v.name!r} in replica context needs "
                                  "an aggregation: create the variable with aggregation SUM, MEAN or ONLY_FIRST_REPLICA")
-        self._update_mirrored(variables, values, update, in_place)
+        self._extended.update_mirrored(variables, values, update, in_place)
         return variables
 
     def flat_zeros_like(self, variables: Sequence[DistributedVariable]) -> list[Any]:
@@ -364,7 +307,7 @@ class MPIStrategy:
         instead broadcasts rank 0's values into the diverged variables, warns,
         and returns ``{name: diverged ranks}``.
         """
-        flat = _flatten(variables)
+        flat = flatten(variables)
         for v in flat:
             if not isinstance(v, MirroredVariable):
                 raise TypeError(f"check_mirrored expects mirrored variables, got {type(v).__name__} {v!r}")
@@ -385,48 +328,7 @@ class MPIStrategy:
                 diverged)
         for v in flat:
             if v.name in diverged:
-                self._broadcast_array(v._component, name=v.name)
+                self._extended.broadcast_from_first(v._component, name=v.name)
         if self.rank == 0:
             warnings.warn(f"mpidist: repaired mirrored variables from rank 0: {report}", RuntimeWarning, stacklevel=2)
         return diverged
-
-    # -- helpers for the variables layer ------------------------------------------------------
-    def _aggregate(self, aggregation: VariableAggregation, value: Any, name: str) -> Any:
-        """Collective: ``value`` combined across replicas by ``aggregation`` (a new array)."""
-        local = self._local(value)
-        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return self._communicator.broadcast(local.copy(), root=0, name=name)
-        op = ReduceOp.MEAN if aggregation is VariableAggregation.MEAN else ReduceOp.SUM
-        return self._communicator.allreduce(local, op, name=name)
-
-    def _broadcast_array(self, array: Any, name: str) -> None:
-        """Collective: overwrite ``array`` with rank 0's, in place."""
-        self._communicator.broadcast(array, root=0, name=name)
-
-    def _storage(self, component: Any) -> Any:
-        """Where a new mirrored variable keeps ``component``: a view of flat storage with ``flat_variables``."""
-        if self._flat is None:
-            return component
-        placed = self._flat.zeros(component.shape, component.dtype)
-        placed[...] = component
-        return placed
-
-    def _update_mirrored(self, variables: Sequence[DistributedVariable], values: Sequence[Any],
-                         fn: Callable[[Any, Any], Any], in_place: bool = False) -> None:
-        """Collective: ``fn(component, value reduced by the variable's aggregation)`` for each, fused.
-
-        Then, when due, the periodic ``check_mirrored`` of ``options.check_mirrored_every``.
-        """
-        self._fusion.reduce_apply(values, [v._component for v in variables],
-                                  [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
-                                  [v.name for v in variables], in_place)
-        every = self.options.check_mirrored_every
-        if every:
-            due = []
-            for v in variables:
-                v._updates += 1
-                if v._updates % every == 0:
-                    due.append(v)
-            if due:
-                with self.scope():
-                    self.check_mirrored(due)

@@ -55,7 +55,7 @@ class VariableSynchronization(enum.Enum):
     ON_READ = "on_read"
 
 
-_UPDATES: dict[str, Callable[[Any, Any], None]] = {
+UPDATES: dict[str, Callable[[Any, Any], None]] = {
     "assign": lambda c, v: c.__setitem__(Ellipsis, v),
     "assign_add": lambda c, v: c.__iadd__(v),
     "assign_sub": lambda c, v: c.__isub__(v),
@@ -89,7 +89,7 @@ class _OnWritePolicy(_Policy):
 
     def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
         if in_cross_replica_context():
-            _UPDATES[kind](var._component, var._coerce(value))
+            UPDATES[kind](var._component, var._coerce(value))
             return var
         replica = get_replica_context()
         if replica is None:
@@ -104,7 +104,7 @@ class _OnWritePolicy(_Policy):
             )
         # What merge_call would do, without wrapping and unwrapping the arguments: the update is
         # the hot path of training loops.
-        var._strategy._update_mirrored((var,), (var._coerce(value),), _UPDATES[kind])
+        var._strategy.extended.update_mirrored((var,), (var._coerce(value),), UPDATES[kind])
         return var
 
     def read(self, var: "DistributedVariable") -> Any:
@@ -116,7 +116,7 @@ class _OnReadPolicy(_Policy):
 
     def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
         if get_replica_context() is not None:
-            _UPDATES[kind](var._component, var._coerce(value))
+            UPDATES[kind](var._component, var._coerce(value))
             return var
         if not in_cross_replica_context():
             raise RuntimeError(f"{kind} of SyncOnReadVariable {var.name!r} must run inside strategy.run "
@@ -137,7 +137,7 @@ class _OnReadPolicy(_Policy):
     def read(self, var: "DistributedVariable") -> Any:
         if get_replica_context() is not None or not in_cross_replica_context():
             return var._component
-        return var._strategy._aggregate(var.aggregation, var._component, name=var.name)
+        return var._strategy.extended.aggregate(var.aggregation, var._component, name=var.name)
 
 
 _POLICIES = {
@@ -312,8 +312,8 @@ def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
     if aggregation is VariableAggregation.MEAN and _is_integer(component.dtype):
         raise ValueError(f"rank {strategy.rank}: variable {name!r} has integer dtype {component.dtype}: MEAN "
                          "aggregation would truncate; use a floating dtype or SUM aggregation")
-    strategy._broadcast_array(component, name=name)
+    strategy.extended.broadcast_from_first(component, name=name)
     if synchronization is VariableSynchronization.ON_READ:
         return SyncOnReadVariable(strategy, component, name, aggregation, _POLICIES[synchronization])
-    component = strategy._storage(component)
+    component = strategy.extended.place(component)
     return MirroredVariable(strategy, component, name, aggregation, _POLICIES[VariableSynchronization.ON_WRITE])

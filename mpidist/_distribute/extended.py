@@ -1,0 +1,164 @@
+"""What the distribute layer needs from a strategy: ``strategy.extended``.
+
+Variables, contexts and checkpoints reach the strategy's collectives through
+this one surface, never through the strategy's private methods. It combines
+per-replica components into cross-replica values (reductions, aggregation,
+the initial broadcast of a variable), applies fused mirrored updates, and
+places new mirrored components (in flat storage when ``flat_variables`` is
+on). Every reduction runs on the strategy's
+:class:`~mpidist.Communicator`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from mpidist._comm.backend import contiguous
+from mpidist._comm.communicator import Communicator, Handle
+from mpidist._comm.flat import FlatStore
+from mpidist._comm.reduce_op import ReduceOp
+from mpidist._distribute.context import ReplicaContext, enter_context
+from mpidist._distribute.nest import flatten, map_structure, pack_sequence_as
+from mpidist._distribute.values import DistributedValues, PerReplica, regroup
+from mpidist._options import Options
+
+if TYPE_CHECKING:
+    from mpidist._distribute.strategy import MPIStrategy
+    from mpidist._distribute.variables import DistributedVariable, VariableAggregation
+
+__all__ = ["StrategyExtended"]
+
+UpdateFn = Callable[[Any, Any], Any]
+
+
+class StrategyExtended:
+    """The strategy's collectives on components, for the variables, contexts and checkpoints.
+
+    Local construction (the strategy builds it); the methods say which are collective.
+    """
+
+    def __init__(self, strategy: "MPIStrategy", communicator: Communicator, options: Options) -> None:
+        self._strategy = strategy
+        self._comm = communicator
+        self._flat = FlatStore(communicator.backend.xp) if options.flat_variables else None
+
+    @property
+    def communicator(self) -> Communicator:
+        """The communicator every collective of the strategy runs on."""
+        return self._comm
+
+    # -- components -----------------------------------------------------------------------
+    def local(self, value: Any) -> Any:
+        """Local: this rank's component of ``value`` as an array of the backend's module."""
+        if isinstance(value, DistributedValues):
+            value = value.get(self._comm.rank)
+        if hasattr(value, "dtype") and hasattr(value, "shape"):
+            return value
+        return self._comm.backend.asarray(value)
+
+    def place(self, component: Any) -> Any:
+        """Local: where a new mirrored variable keeps ``component`` (a view of flat storage with ``flat_variables``)."""
+        if self._flat is None:
+            return component
+        placed = self._flat.zeros(component.shape, component.dtype)
+        placed[...] = component
+        return placed
+
+    # -- reductions -------------------------------------------------------------------------
+    def reduce(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
+        """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`."""
+        op = ReduceOp.of(reduce_op)
+        leaves = flatten(value)
+        if axis is None and len(leaves) > 1:  # all leaves together: few MPI calls, one agreement record
+            arrays = [self._prepared(op, leaf) for leaf in leaves]
+            return pack_sequence_as(value, self._comm.allreduce_many(
+                arrays, op, [f"reduce[{i}]" for i in range(len(arrays))]))
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            return map_structure(lambda x: self._comm.allreduce(self._prepared(op, x), op), value)
+        return map_structure(lambda x: self._sum_or_mean(op, self.local(x), axis), value)
+
+    def reduce_async(self, reduce_op: Union[ReduceOp, str], value: Any) -> Handle:
+        """Collective, nonblocking :meth:`reduce` (without ``axis``)."""
+        op = ReduceOp.of(reduce_op)
+        arrays = [self._prepared(op, leaf) for leaf in flatten(value)]
+        return self._comm.iallreduce_many(arrays, op, [f"reduce_async[{i}]" for i in range(len(arrays))],
+                                          then=lambda results: pack_sequence_as(value, results))
+
+    def aggregate(self, aggregation: "VariableAggregation", value: Any, name: str) -> Any:
+        """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array)."""
+        local = self.local(value)
+        op = _AGGREGATION_OPS[aggregation.value]
+        if op is None:
+            return self._comm.broadcast(local.copy(), root=0, name=name)
+        return self._comm.allreduce(local, op, name=name)
+
+    def broadcast_from_first(self, array: Any, name: str) -> None:
+        """Collective: overwrite ``array`` with replica 0's, in place."""
+        self._comm.broadcast(array, root=0, name=name)
+
+    def update_mirrored(self, variables: Sequence["DistributedVariable"], values: Sequence[Any],
+                        fn: UpdateFn, in_place: bool = False) -> None:
+        """Collective: ``fn(component, value reduced by the variable's aggregation)`` for each, fused.
+
+        Then, when due, the periodic ``check_mirrored`` of ``options.check_mirrored_every``.
+        """
+        self._comm.reduce_apply(values, [v._component for v in variables],
+                                [_AGGREGATION_OPS[v.aggregation.value] for v in variables], fn,
+                                [v.name for v in variables], in_place)
+        every = self._strategy.options.check_mirrored_every
+        if every:
+            due = []
+            for v in variables:
+                v._updates += 1
+                if v._updates % every == 0:
+                    due.append(v)
+            if due:
+                with self._strategy.scope():
+                    self._strategy.check_mirrored(due)
+
+    # -- contexts -----------------------------------------------------------------------------
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Collective: ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context; see ``ReplicaContext.merge_call``."""
+        from mpidist._distribute.variables import DistributedVariable
+
+        rank = self._comm.rank
+        wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
+        with enter_context(self._strategy):
+            result = merge_fn(self._strategy, *wrapped[0], **wrapped[1])
+        keep_variables = lambda x: x if isinstance(x, DistributedVariable) else (
+            x.get(rank) if isinstance(x, DistributedValues) else x)
+        return map_structure(keep_variables, result)
+
+    def replica_context(self) -> ReplicaContext:
+        """Local: a new replica context of this rank."""
+        return ReplicaContext(self._strategy, self._comm.rank)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _prepared(self, op: ReduceOp, value: Any) -> Any:
+        """This rank's component of ``value`` as a contiguous array ``op`` can reduce (MEAN of integers: float64)."""
+        local = self.local(value)
+        if op is ReduceOp.MEAN and local.dtype.kind in "iub":
+            local = local.astype(np.float64)
+        return contiguous(local)
+
+    def _sum_or_mean(self, op: ReduceOp, local: Any, axis: Optional[int]) -> Any:
+        if axis is None:
+            return self._comm.allreduce(self._prepared(op, local), op)
+        if op is ReduceOp.MEAN and local.dtype.kind in "iub":
+            local = local.astype(np.float64)
+        total = self._comm.allreduce(contiguous(local.sum(axis=axis)), ReduceOp.SUM)
+        if op is ReduceOp.MEAN:
+            count = self._comm.allreduce(np.array(local.shape[axis], dtype=np.int64), ReduceOp.SUM, name="count")
+            total /= int(count)
+        return total
+
+
+# How a variable's aggregation (by value, so that this module needs no import of the variables)
+# combines the replicas' values; None: replica 0's value.
+_AGGREGATION_OPS = {"sum": ReduceOp.SUM, "none": ReduceOp.SUM, "mean": ReduceOp.MEAN, "only_first_replica": None}
+
+
+def is_array(x: Any) -> bool:
+    """NumPy/CuPy arrays (not distributed values): what ``merge_call`` wraps as ``PerReplica``."""
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, DistributedValues)
