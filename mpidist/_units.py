@@ -1,7 +1,7 @@
 """Human-readable quantities for messages, listings and reports. Pure, no MPI."""
 from __future__ import annotations
 
-__all__ = ["human_size"]
+__all__ = ["human_size", "human_time"]
 
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -15,3 +15,12 @@ def human_size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{nbytes} B"
+
+
+def human_time(seconds: float) -> str:
+    """``2.5e-5`` -> ``"25.0 us"``, ``0.0123`` -> ``"12.30 ms"``, ``3.0`` -> ``"3.00 s"``. Local."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"

@@ -1,9 +1,8 @@
 """Benchmarks of mpidist's collectives against raw mpi4py and torch.distributed (gloo), in one run.
 
-Run under the MPI launcher, for example ``mpiexec -n 2 python -m mpidist bench``
-(``main(argv)`` here is that command). Cases, each measured in the same run
-against its baselines, variants interleaved sample by sample so that they see
-the same machine load:
+Run under the MPI launcher, for example ``mpiexec -n 2 python -m mpidist bench``.
+Cases, each measured in the same run against its baselines, variants
+interleaved sample by sample so that they see the same machine load:
 
 - ``sweep``: in-place float32 SUM allreduce, 4 B to 256 MiB: raw
   ``Allreduce(IN_PLACE)``, mpidist's communicator (agreement check on and
@@ -27,7 +26,8 @@ the same machine load:
 Every number is the median over ``--repeats`` samples of the slowest rank's
 time; a sample times enough iterations to last about 20 ms. Writes
 ``results.json``, ``results.md`` and ``busbw.png`` (when matplotlib is
-installed) to ``--out``; gloo is skipped when torch is missing.
+installed) to ``--out``: times and ratios, no verdicts. gloo is skipped when
+torch is missing.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import socket
 import statistics
 import time
 import tracemalloc
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -48,8 +48,11 @@ from mpidist._comm.library import library_version
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.variables import Variable, VariableAggregation
 from mpidist._tools.bench_report import write_reports
+from mpidist._units import human_time
 
-__all__ = ["main", "resnet50_shapes"]
+__all__ = ["DESCRIPTION", "add_arguments", "resnet50_shapes", "run"]
+
+DESCRIPTION = __doc__.split("\n\n")[0]
 
 _MIB = 1 << 20
 _SAMPLE_SECONDS = 0.02
@@ -103,7 +106,7 @@ class _Bench:
             name: {"median_s": medians[name], "samples_s": samples[name], "iterations": iterations[name]}
             for name in variants}
         if self.rank == 0:
-            shown = ", ".join(f"{name} {medians[name] * 1e6:.1f} us" for name in variants)
+            shown = ", ".join(f"{name} {human_time(medians[name])}" for name in variants)
             print(f"[bench] {case} {key}: {shown}", flush=True)
         return medians
 
@@ -333,13 +336,6 @@ def _torch() -> Any:
     return torch
 
 
-def build_parser(prog: str = "python -m mpidist bench") -> argparse.ArgumentParser:
-    """The benchmark's argument parser (also used by ``python -m mpidist bench --help``)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return parser
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--out", default="bench-results", help="directory for results.json, results.md, busbw.png")
@@ -350,13 +346,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) baseline")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m mpidist bench``: run the benchmark cases, write JSON, Markdown and a PNG plot."""
-    return run(build_parser().parse_args(argv))
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark with parsed arguments (see :func:`build_parser`). Collective: run it under mpiexec."""
+    """Run the benchmark with parsed arguments (see :func:`add_arguments`). Collective: run it under mpiexec."""
     cases = set(args.cases.split(","))
     bench = _Bench(args.repeats, None if args.no_torch else _init_gloo(MPI.COMM_WORLD))
     strategies = {"check": MPIStrategy(device="cpu", abort_on_error=False),

@@ -49,8 +49,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _add_module_command(subparsers: Any, name: str, module: Any, help: str) -> None:
-    """Register a command whose module offers ``build_parser``, ``add_arguments`` and ``run``."""
-    parser = subparsers.add_parser(name, help=help, description=module.build_parser().description)
+    """Register a command whose module offers ``DESCRIPTION``, ``add_arguments`` and ``run``."""
+    parser = subparsers.add_parser(name, help=help, description=module.DESCRIPTION)
     module.add_arguments(parser)
     parser.set_defaults(handler=module.run)
 

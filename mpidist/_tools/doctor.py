@@ -28,7 +28,12 @@ from typing import Any, Optional
 from mpidist._comm.backend import cupy_version, nccl_status
 from mpidist._errors import format_ranks
 
-__all__ = ["add_arguments", "build_parser", "collect", "detect_launcher", "diagnose", "format_report", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "collect", "detect_launcher", "diagnose", "format_report", "run"]
+
+DESCRIPTION = ("Report how this MPI job is set up and what to fix. Run it under your launcher, e.g. "
+               "`mpiexec -n 4 python -m mpidist doctor` or `srun --mpi=pmix python -m mpidist doctor`; "
+               "rank 0 prints the report. Exit status: 0 (warnings included), 1 when --expect-ranks does "
+               "not match the MPI world size.")
 
 # Ancestor process names that identify a launcher (/proc/PID/comm, at most 15 characters).
 _LAUNCHER_PROCESSES = {
@@ -40,18 +45,6 @@ _LAUNCHER_PROCESSES = {
     "pmi_proxy": "mpiexec (MPICH hydra)",
     "slurmstepd": "srun",
 }
-
-
-def build_parser(prog: str = "python -m mpidist doctor") -> argparse.ArgumentParser:
-    """The doctor's argument parser (also used by ``python -m mpidist doctor --help``)."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Report how this MPI job is set up and what to fix. Run it under your launcher, e.g. "
-                    "`mpiexec -n 4 python -m mpidist doctor` or `srun --mpi=pmix python -m mpidist doctor`; "
-                    "rank 0 prints the report. Exit status: 0 (warnings included), 1 when --expect-ranks does "
-                    "not match the MPI world size.")
-    add_arguments(parser)
-    return parser
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -372,7 +365,7 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the doctor with parsed arguments (see :func:`build_parser`). Collective."""
+    """Run the doctor with parsed arguments (see :func:`add_arguments`). Collective."""
     from mpi4py import MPI
 
     report = collect(args.device, args.timeout)

@@ -1,0 +1,69 @@
+"""``python -m mpidist bench``: its reports state times and ratios; the goals live in ``benchmarks/goals.py``.
+
+Serial tests: the Markdown report and the goals' verdicts on made-up results; the command
+itself under a real ``mpiexec`` (``tests/mpirun.py``) with its smallest settings.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from mpidist._tools.bench_report import write_reports
+from mpirun import run_mpi
+
+TIMEOUT = 120
+GOALS_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "goals.py"
+
+
+def _goals():
+    spec = importlib.util.spec_from_file_location("bench_goals", GOALS_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _timed(seconds):
+    return {"median_s": seconds, "samples_s": [seconds], "iterations": 1}
+
+
+META = {"ranks": 2, "mpi": "Open MPI v5.0.11", "python": "3.11.7", "numpy": "2.0", "cpus": 2, "machine": "x86_64",
+        "date": "2026-01-01 00:00:00", "seconds": 1.0, "repeats": 1, "pipeline_bytes": 2 << 20,
+        "fusion_bytes": 64 << 10, "torch": None}
+RESULTS = {
+    "sweep": {"4": {"raw": _timed(1e-6), "mpidist": _timed(8e-6)},
+              str(1 << 20): {"raw": _timed(1e-4), "mpidist": _timed(1.05e-4), "gloo": _timed(4e-4)}},
+    "update": {"8": {"raw_allreduce": _timed(1e-6), "raw_allreduce_divide": _timed(2e-6),
+                     "raw_user_update": _timed(3e-6), "mpidist": _timed(1.5e-6), "mpidist_nocheck": _timed(1.1e-6),
+                     "mpidist_in_place": _timed(1.4e-6), "peak_extra_bytes": 0, "pipeline_bytes": 2 << 20}},
+}
+
+
+def test_the_report_gives_times_and_ratios_but_no_verdict(tmp_path):
+    paths = write_reports(META, RESULTS, str(tmp_path))
+    text = (tmp_path / "results.md").read_text()
+    assert paths[0] == str(tmp_path / "results.md")
+    assert "| 4 B | 1.0 us | 8.0 us | 8.00x |" in text and "| 1 MiB | 100.0 us | 105.0 us | 1.05x |" in text
+    assert "goal" not in text.lower() and "| met |" not in text
+
+
+def test_the_goals_script_judges_each_measured_goal():
+    rows = {goal: (reached, met) for goal, reached, met in _goals().verdicts(RESULTS)}
+    assert rows["8 B mirrored update, agreement check on, <= 2x one raw Allreduce"] == ("1.5x", True)
+    assert rows["8 B mirrored update, agreement check off, <= 1.2x one raw Allreduce"] == ("1.1x", True)
+    assert rows["no size where mpidist is > 10% slower than raw mpi4py"] == ("worst 8.00x at 4 B", False)
+    assert rows["at least 3x faster than torch gloo at every size"] == ("worst 3.8x at 1 MiB", True)
+    assert not any("ResNet-50" in goal for goal in rows)  # not measured: no row
+
+
+def test_bench_under_mpiexec_and_the_goals_of_its_results(tmp_path, capsys):
+    out = tmp_path / "results"
+    result = run_mpi(2, [sys.executable, "-m", "mpidist", "bench", "--out", str(out), "--cases", "sweep,update",
+                         "--max-bytes", "16", "--repeats", "1", "--no-torch"], timeout=TIMEOUT)
+    assert result.returncode == 0, result.describe()
+    run = json.loads((out / "results.json").read_text())
+    assert run["meta"]["ranks"] == 2 and set(run["results"]) == {"sweep", "update"}
+    assert "## Allreduce sweep" in (out / "results.md").read_text()
+    assert _goals().main([str(out / "results.json")]) == 0
+    assert "| 8 B mirrored update, agreement check on, <= 2x one raw Allreduce |" in capsys.readouterr().out
