@@ -8,7 +8,7 @@ is written.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from mpidist._units import human_size, human_time
 
@@ -34,51 +34,64 @@ def _busbw(nbytes: int, seconds: float, ranks: int) -> float:
     return factor * nbytes / seconds / 1e9
 
 
+def _table(title: str, header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown section: a ``##`` title and a table."""
+    return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _by_size(case: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """The entries of a case keyed by a size in bytes, smallest first."""
+    return sorted((int(key), entry) for key, entry in case.items())
+
+
+def _sweep_row(nbytes: int, e: dict[str, Any], ranks: int) -> list[str]:
+    m, raw, gloo = median(e, "mpidist"), median(e, "raw"), median(e, "gloo")
+    return [human_size(nbytes), _t(raw), _t(m), _ratio(m, raw), _t(median(e, "mpidist_nocheck")), _t(gloo),
+            _ratio(gloo, m), f"{_busbw(nbytes, m, ranks):.2f}"]
+
+
+def _update_row(nbytes: int, e: dict[str, Any]) -> list[str]:
+    m, base = median(e, "mpidist"), median(e, "raw_allreduce_divide")
+    times = [_t(median(e, name)) for name in ("raw_allreduce", "raw_allreduce_divide", "raw_user_update", "mpidist",
+                                              "mpidist_nocheck", "mpidist_in_place", "gloo_user_update")]
+    return [human_size(nbytes), *times, _ratio(m, base), human_size(e["peak_extra_bytes"])]
+
+
 def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
-    n = meta["ranks"]
-    out = [f"# mpidist benchmark: {n} ranks, {meta['mpi']}", "",
+    out = [f"# mpidist benchmark: {meta['ranks']} ranks, {meta['mpi']}", "",
            f"{meta['date']}; Python {meta['python']}, NumPy {meta['numpy']}, torch {meta['torch'] or '(not run)'}; "
            f"{meta['cpus']} CPUs; medians of {meta['repeats']} samples (slowest rank); "
            f"pipeline_bytes {human_size(meta['pipeline_bytes'])}, fusion_bytes {human_size(meta['fusion_bytes'])}; "
            f"{meta['seconds']} s in all."]
     if "sweep" in results:
-        out += ["", "## Allreduce sweep (float32 SUM, in place)", "",
-                "| size | raw mpi4py | mpidist | mpidist/raw | mpidist, check off | gloo | gloo/mpidist | busbw mpidist GB/s |",
-                "|---|---|---|---|---|---|---|---|"]
-        for key, e in sorted(results["sweep"].items(), key=lambda kv: int(kv[0])):
-            m = median(e, "mpidist")
-            out.append(f"| {human_size(int(key))} | {_t(median(e, 'raw'))} | {_t(m)} | {_ratio(m, median(e, 'raw'))} | "
-                       f"{_t(median(e, 'mpidist_nocheck'))} | {_t(median(e, 'gloo'))} | {_ratio(median(e, 'gloo'), m)} | "
-                       f"{_busbw(int(key), m, n):.2f} |")
+        out += _table("Allreduce sweep (float32 SUM, in place)",
+                      ["size", "raw mpi4py", "mpidist", "mpidist/raw", "mpidist, check off", "gloo", "gloo/mpidist",
+                       "busbw mpidist GB/s"],
+                      (_sweep_row(nbytes, e, meta["ranks"]) for nbytes, e in _by_size(results["sweep"])))
     if "pieces" in results:
         names = list(next(iter(results["pieces"].values())))
-        out += ["", "## Piece size (mpidist allreduce, check off)", "",
-                "| size | " + " | ".join(human_size(int(p)) if p.isdigit() else "one call" for p in names) + " |",
-                "|---" * (len(names) + 1) + "|"]
-        for key, e in sorted(results["pieces"].items(), key=lambda kv: int(kv[0])):
-            out.append(f"| {human_size(int(key))} | " + " | ".join(_t(median(e, p)) for p in names) + " |")
+        out += _table("Piece size (mpidist allreduce, check off)",
+                      ["size", *(human_size(int(p)) if p.isdigit() else "one call" for p in names)],
+                      ([human_size(nbytes), *(_t(median(e, p)) for p in names)]
+                       for nbytes, e in _by_size(results["pieces"])))
     if "update" in results:
-        out += ["", "## Mirrored MEAN update (`v.assign_add(g)` in replica context)", "",
-                "| size | raw Allreduce | raw + divide | raw + divide + update | mpidist | mpidist, check off | "
-                "mpidist, in place | gloo + divide + update | mpidist / (raw + divide) | peak extra memory |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        for key, e in sorted(results["update"].items(), key=lambda kv: int(kv[0])):
-            m = median(e, "mpidist")
-            out.append(f"| {human_size(int(key))} | {_t(median(e, 'raw_allreduce'))} | {_t(median(e, 'raw_allreduce_divide'))} | "
-                       f"{_t(median(e, 'raw_user_update'))} | {_t(m)} | {_t(median(e, 'mpidist_nocheck'))} | "
-                       f"{_t(median(e, 'mpidist_in_place'))} | {_t(median(e, 'gloo_user_update'))} | {_ratio(m, median(e, 'raw_allreduce_divide'))} | "
-                       f"{human_size(e['peak_extra_bytes'])} |")
+        out += _table("Mirrored MEAN update (`v.assign_add(g)` in replica context)",
+                      ["size", "raw Allreduce", "raw + divide", "raw + divide + update", "mpidist",
+                       "mpidist, check off", "mpidist, in place", "gloo + divide + update",
+                       "mpidist / (raw + divide)", "peak extra memory"],
+                      (_update_row(nbytes, e) for nbytes, e in _by_size(results["update"])))
     for case, title, base in (("resnet50", "ResNet-50 parameter shapes (161 float32 arrays, 97.5 MiB)",
                                "raw_per_array"),
                               ("fusion", "fusion_bytes (ResNet-50 fused update of ordinary arrays)", "0")):
         for e in results.get(case, {}).values():
-            out += ["", f"## {title}", "", f"| variant | time | vs {base} |", "|---|---|---|"]
-            out += [f"| {name} | {_t(median(e, name))} | {_ratio(median(e, name), median(e, base))} |"
-                    for name, v in e.items() if isinstance(v, dict)]
-    for key, e in results.get("overlap", {}).items():
+            out += _table(title, ["variant", "time", f"vs {base}"],
+                          ([name, _t(median(e, name)), _ratio(median(e, name), median(e, base))]
+                           for name, v in e.items() if isinstance(v, dict)))
+    for nbytes, e in _by_size(results.get("overlap", {})):
         out += ["", "## Nonblocking: progress during computation", "",
-                f"{human_size(int(key))}: blocking allreduce {_t(median(e, 'blocking'))}; started with `iallreduce`, then "
-                f"as long a computation without MPI calls, then `wait()`: {_t(e['wait_after_compute_s'])} "
+                f"{human_size(nbytes)}: blocking allreduce {_t(median(e, 'blocking'))}; started with `iallreduce`, "
+                f"then as long a computation without MPI calls, then `wait()`: {_t(e['wait_after_compute_s'])} "
                 f"({e['left_for_wait']:.2f} of the blocking time was left for `wait()`)."]
     return "\n".join(out) + "\n"
 
@@ -90,17 +103,17 @@ def _plot(meta: dict[str, Any], results: dict[str, Any], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    sweep = sorted(results["sweep"].items(), key=lambda kv: int(kv[0]))
+    sweep = _by_size(results["sweep"])
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, label in (("mpidist", "mpidist"), ("raw", "raw mpi4py Allreduce"), ("gloo", "torch gloo")):
-        points = [(int(k), _busbw(int(k), median(e, name), meta["ranks"])) for k, e in sweep if median(e, name)]
+        points = [(nbytes, _busbw(nbytes, median(e, name), meta["ranks"])) for nbytes, e in sweep if median(e, name)]
         if points:
             ax.plot(*zip(*points), marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("buffer size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"float32 SUM allreduce, {meta['ranks']} ranks, {meta['mpi'].split(',')[0]}")
+    ax.set_title(f"float32 SUM allreduce, {meta['ranks']} ranks, {meta['mpi']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
