@@ -21,6 +21,7 @@ from mpi4py import MPI
 import mpidist
 from mpidist._checkpoint import checkpoint as _checkpoint
 from mpidist._checkpoint import format as fmt
+from mpidist._checkpoint import reader
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._errors import ChecksumError
 
@@ -195,7 +196,7 @@ def test_each_rank_writes_and_reads_only_its_share(strategy, shared_dir, monkeyp
     with strategy.scope():
         weights = mpidist.Variable(np.arange(96, dtype=np.float32), name="weights")  # 384 bytes: 12 chunks
     written, read = [], []
-    real_write, real_read = fmt._pwrite_all, fmt._read_chunk
+    real_write, real_read = fmt._pwrite_all, reader._read_chunk
 
     def pwrite_all(fd, data, offset):
         if offset > 0:  # headers and the manifest are written at offset 0, data after the header
@@ -207,7 +208,7 @@ def test_each_rank_writes_and_reads_only_its_share(strategy, shared_dir, monkeyp
         real_read(fd, out, *args)
 
     monkeypatch.setattr(fmt, "_pwrite_all", pwrite_all)
-    monkeypatch.setattr(fmt, "_read_chunk", read_chunk)
+    monkeypatch.setattr(reader, "_read_chunk", read_chunk)
     Checkpoint(weights=weights).save(shared_dir, chunk_bytes=32)
     Checkpoint(weights=weights).restore(shared_dir)
     lo, hi = fmt.share_ranges([384], n, 32)[0][r]
@@ -297,9 +298,9 @@ def _renamed(shared_dir: Path, copies: dict) -> Path:
     """A copy of the newest save with state entries duplicated under new names (rank 0 writes it)."""
     target = shared_dir.parent / "renamed"
     if WORLD.rank == 0:
-        source = fmt.resolve(shared_dir)
+        with reader.Save.open(shared_dir) as save:
+            source, manifest = save.directory, save.manifest
         shutil.copytree(source, target)
-        manifest = fmt.read_manifest(source)
         for old, new in copies.items():
             manifest["entries"].append({**next(e for e in manifest["entries"] if e["name"] == old), "name": new})
         (target / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import mpidist
 from mpidist._checkpoint import format as fmt
+from mpidist._checkpoint.reader import Save, inspect
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._tools.cli import main as cli
 from mpidist._errors import CheckpointError, ChecksumError
@@ -193,8 +194,9 @@ def test_a_manifest_asking_for_object_arrays_is_refused_before_any_code_runs(str
             e.update(dtype="|O", shape=[1], nbytes=8, chunk_crc32=[0])
     (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))  # a consistent, hostile manifest
     for verify in (True, False):
-        with pytest.raises(ChecksumError, match="malformed manifest.*object"):
+        with pytest.raises(CheckpointError, match="malformed manifest.*'dtype' has an unusable value '|O'") as info:
             read_checkpoint(save_dir, verify=verify)
+        assert not isinstance(info.value, ChecksumError)
     assert not marker.exists()
 
 
@@ -205,8 +207,8 @@ def test_a_data_file_replaced_by_a_pickle_is_a_checksum_error(strategy, tmp_path
     np.save(path, np.array([_Payload(marker)], dtype=object), allow_pickle=True)
     with pytest.raises(ChecksumError, match="weights"):
         read_checkpoint(save_dir)
-    with pytest.raises(ValueError, match="allow_pickle"):
-        read_checkpoint(save_dir, verify=False)
+    with pytest.raises(ChecksumError, match="weights"):
+        read_checkpoint(save_dir, verify=False)  # sizes and headers are still checked
     assert not marker.exists()
 
 
@@ -215,7 +217,7 @@ def test_a_file_name_outside_the_save_is_refused(strategy, tmp_path):
     manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
     manifest["entries"][0]["file"] = "../../outside.npy"
     (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))
-    with pytest.raises(ChecksumError, match="not a plain .npy name"):
+    with pytest.raises(CheckpointError, match="malformed manifest.*field 'file'"):
         read_checkpoint(save_dir)
 
 
@@ -230,7 +232,7 @@ def test_a_flipped_byte_is_a_checksum_error_naming_file_and_variable(strategy, t
         read_checkpoint(tmp_path / "ckpt")
     assert str(path) in str(info.value) and "'weights'" in str(info.value) and "chunk 1" in str(info.value)
     assert info.value.file == str(path) and info.value.entry == "weights"
-    report = fmt.inspect(tmp_path / "ckpt")
+    report = inspect(tmp_path / "ckpt")
     assert not report.ok and list(report.problems) == ["weights"]
     assert cli(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 1
     out = capsys.readouterr().out
@@ -308,7 +310,8 @@ def test_leftovers_of_a_killed_save_are_ignored_then_removed(strategy, tmp_path)
     leftover = tmp_path / "ckpt" / ".tmp-ckpt-000002-deadbeef"
     leftover.mkdir()
     (leftover / "0000-weights.npy").write_bytes(b"partial")
-    assert fmt.resolve(tmp_path / "ckpt") == save_dir
+    with Save.open(tmp_path / "ckpt") as save:
+        assert save.directory == save_dir
     assert_expected(read_checkpoint(tmp_path / "ckpt"))
     _, newer = make_checkpoint(strategy, tmp_path / "ckpt", keep=5)
     assert newer.name == "ckpt-000003" and not leftover.exists()
@@ -346,7 +349,7 @@ def test_inspect_all_and_exit_statuses(strategy, tmp_path, capsys):
     make_checkpoint(strategy, tmp_path / "ckpt", keep=3)
     assert cli(["checkpoint", "inspect", "--all", str(tmp_path / "ckpt")]) == 0
     assert capsys.readouterr().out.count("checkpoint ") == 2
-    assert cli(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
+    assert cli(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 3
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         cli(["checkpoint"])
@@ -374,13 +377,14 @@ def test_python_m_mpidist_checkpoint_inspect(strategy, tmp_path):
 def assert_complete_save(path, k=None):
     """The save at ``path`` verifies and all its entries belong to one save k; returns k."""
     arrays = read_checkpoint(path)
-    manifest = fmt.read_manifest(fmt.resolve(path))
+    with Save.open(path) as save:
+        manifest = save.manifest
     position = next(e for e in manifest["entries"] if e["name"] == "position")["state"]["position"]
     if k is not None:
         assert position == k
     assert (arrays["weights"] == position).all()
     assert int(arrays["counter"]) == 10 * position
-    assert fmt.inspect(path).ok
+    assert inspect(path).ok
     return position
 
 
@@ -421,5 +425,5 @@ def test_saves_killed_from_outside_at_any_moment_leave_a_verified_checkpoint(tmp
     result = outcome["result"]
     assert result.returncode not in (0, 3, None), result.describe()
     # keep=2, plus one more when the kill came between the commit and the removal of the oldest
-    assert 1 <= len(fmt.list_versions(path)) <= 3
+    assert 1 <= len(fmt.list_versions(path)) <= 3, result.describe()
     assert assert_complete_save(path) >= 1

@@ -14,11 +14,16 @@ saving rules of TF's ``_MirroredSaveable`` / ``_TowerLocalSaveable``:
   saves its JSON state, so training resumes at the same input position.
 
 A checkpoint saved by N ranks restores on any number of ranks. The file
-format, atomic commit and checksums live in :mod:`mpidist._checkpoint.format`
-(usable without MPI); this module adds the collective protocol:
+format, atomic commit and checksums live in :mod:`mpidist._checkpoint.format`,
+reading and checking a save in :mod:`mpidist._checkpoint.reader` (both
+usable without MPI); this module adds the collective protocol:
 
 1. Ranks agree on what is saved (names, kinds, shapes, dtypes, options); a
    difference raises ``ValueError`` on every rank before anything is written.
+   With ``check_mirrors`` they also compare a CRC-32 of each mirrored
+   variable's component, and a difference raises ``MirrorDivergenceError``
+   on every rank; without it, rank 0's components are broadcast, so a
+   mirrored variable is always saved as rank 0's value, never as a mix.
 2. Rank 0 creates a hidden temporary directory with every ``.npy`` file
    pre-sized; the directory must be on a file system all ranks share.
 3. Every rank writes its share of the bytes (whole chunks, balanced over the
@@ -26,7 +31,8 @@ format, atomic commit and checksums live in :mod:`mpidist._checkpoint.format`
 4. Ranks agree that all writes succeeded; rank 0 writes the manifest and
    renames the directory into place (the commit), then prunes old saves.
 
-Restore reads the manifest on rank 0, checks every item against it on every
+Restore reads and checks the manifest and the data files' types and sizes on
+rank 0, checks every item against it on every
 rank, lets each rank read and verify only its share of the chunks, agrees
 that all of that succeeded, and only then modifies anything: the shares are
 exchanged with one allgather per array and assigned. A failure on any rank
@@ -45,17 +51,17 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import numpy as np
 
 from mpidist._checkpoint import format as fmt
+from mpidist._checkpoint import validate
+from mpidist._checkpoint.reader import Save, read_checkpoint
 from mpidist._comm.backend import to_host
 from mpidist._distribute.context import get_replica_context, get_strategy
-from mpidist._errors import CheckpointError, ChecksumError, format_ranks
+from mpidist._errors import CheckpointError, ChecksumError, MirrorDivergenceError, format_ranks
 from mpidist._distribute.variables import DistributedVariable, VariableSynchronization
 
 if TYPE_CHECKING:
     from mpidist._distribute.strategy import MPIStrategy
 
 __all__ = ["Checkpoint", "read_checkpoint"]
-
-read_checkpoint = fmt.read_checkpoint
 
 # Exception types a failing rank can make every rank raise (by name: nothing is unpickled).
 _ERRORS: dict[str, type[BaseException]] = {
@@ -64,6 +70,8 @@ _ERRORS: dict[str, type[BaseException]] = {
 }
 # Arrays larger than this are exchanged in rounds of one chunk per rank (MPI counts are 32-bit).
 _MAX_GATHER_BYTES = 1 << 30
+# Unit of the mirror check's checksums (and of its device-to-host copies).
+_FINGERPRINT_PIECE = 8 << 20
 
 
 def _kind(name: str, obj: Any) -> str:
@@ -167,7 +175,7 @@ class Checkpoint:
 
     # -- save ----------------------------------------------------------------------------
     def save(self, path: fmt.PathLike, *, keep: int = 1, fsync: bool = True,
-             chunk_bytes: int = fmt.CHUNK_BYTES) -> str:
+             chunk_bytes: int = fmt.CHUNK_BYTES, check_mirrors: bool = True) -> str:
         """Collective: write a new save into checkpoint directory ``path``; returns its directory.
 
         The save becomes visible in one atomic rename after every byte is
@@ -179,17 +187,30 @@ class Checkpoint:
             path: the checkpoint directory (created if missing). Each save
                 goes into a new subdirectory ``ckpt-NNNNNN``.
             keep: how many saves to keep, newest first; older ones are
-                removed after the new one is committed.
+                removed after the new one is committed (each renamed to a
+                hidden name first, so a removal killed midway leaves no
+                half-deleted save listed).
             fsync: flush data, manifest and directories to stable storage
                 before the commit (survives a power loss, not only a crash).
                 Turn off only for scratch checkpoints.
             chunk_bytes: unit of checksums and of the work split between
                 ranks (default 8 MiB; a multiple of 32, ideally of the file
                 system's stripe size).
+            check_mirrors: compare a CRC-32 of every mirrored variable's
+                component between ranks before writing anything, and raise
+                if they differ. It costs one pass over every mirrored
+                variable's bytes on every rank (a device-to-host copy on a
+                GPU) and no extra message. Without it, rank 0's components
+                are broadcast to the other ranks (which write their share of
+                them), so a mirrored variable is saved as rank 0's value
+                also when its components diverged.
 
         Raises:
             ValueError: ranks disagree on items or arguments, or bad arguments.
             TypeError: an item's dtype cannot be saved (object, structured).
+            MirrorDivergenceError: with ``check_mirrors``, the components of
+                a mirrored variable differ between ranks (nothing is written;
+                all ranks raise it, naming the variables and ranks).
             CheckpointError: writing failed on some rank (all ranks raise it).
         """
         strategy = self._strategy_for("save")
@@ -199,8 +220,9 @@ class Checkpoint:
             raise ValueError("Checkpoint.save: chunk_bytes must be a positive multiple of 32 (the largest item "
                              f"size), got {chunk_bytes!r}")
         run = _Protocol(strategy, f"Checkpoint.save to {os.fspath(path)} failed, the saves already there are intact")
-        entries = self._agree_on_entries(run, [os.fspath(path), keep, fsync, chunk_bytes])
-        values = self._values(strategy)
+        check = bool(check_mirrors) and run.size > 1
+        entries = self._agree_on_entries(run, [os.fspath(path), keep, fsync, chunk_bytes, check], check)
+        values = self._values(strategy, rank0_mirrors=not check)
         arrays = [e for e in entries if e["kind"] in fmt.ARRAY_KINDS]
         tmp, number = self._prepare(run, path, arrays)
         try:
@@ -217,7 +239,9 @@ class Checkpoint:
                 for entry in arrays:
                     entry["chunk_crc32"] = [crcs[entry["name"]][i]
                                             for i in range(fmt.chunk_count(entry["nbytes"], chunk_bytes))]
-                final = fmt.commit(tmp, number, fmt.make_manifest(entries, run.size, chunk_bytes), fsync)
+                manifest = fmt.encode_manifest(fmt.make_manifest(entries, run.size, chunk_bytes))
+                validate.decode_manifest(manifest, str(tmp / fmt.MANIFEST))  # never write what a reader refuses
+                final = fmt.commit(tmp, number, manifest, fsync)
                 payload = {"path": str(final), "problems": fmt.prune(Path(path), keep, final)}
             except Exception as exc:
                 failure = exc
@@ -228,20 +252,28 @@ class Checkpoint:
                           + "; ".join(reply["problems"]), RuntimeWarning, stacklevel=2)
         return reply["path"]
 
-    def _agree_on_entries(self, run: "_Protocol", args: list) -> list[dict]:
-        """Collective: check that all ranks save the same items with the same arguments; the manifest entries."""
+    def _agree_on_entries(self, run: "_Protocol", args: list, check_mirrors: bool) -> list[dict]:
+        """Collective: check that all ranks save the same items with the same arguments (and, with
+        ``check_mirrors``, the same mirrored values); the manifest entries."""
         failure: Optional[BaseException] = None
         descriptions: list[dict] = []
         states: dict[str, Any] = {}
+        mirrors: dict[str, int] = {}
         try:
             descriptions = self._describe()
             states = {name: self._get_state(name, obj) for name, (kind, obj) in self._items.items()
                       if kind == fmt.STATE}
+            if check_mirrors:
+                threads = fmt.io_threads(run.comm.local_size)
+                mirrors = {name: _fingerprint(obj.read_value(), threads) for name, (kind, obj) in self._items.items()
+                           if kind == fmt.MIRRORED}
         except Exception as exc:  # reported to every rank by the agreement
             failure = exc
-        replies = run.gather({"items": descriptions, "args": args, "states": states}, failure)
+        replies = run.gather({"items": descriptions, "args": args, "states": states, "mirrors": mirrors}, failure)
         run.same([r["items"] for r in replies], "the checkpoint's items")
-        run.same([r["args"] for r in replies], "the arguments of save (path, keep, fsync, chunk_bytes)")
+        run.same([r["args"] for r in replies],
+                 "the arguments of save (path, keep, fsync, chunk_bytes, check_mirrors)")
+        _check_mirrors(run.what, [r["mirrors"] for r in replies])
         return self._entries(descriptions, [r["states"] for r in replies])
 
     @staticmethod
@@ -316,7 +348,7 @@ class Checkpoint:
         arrays = [(kind, obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
         chunk_bytes = manifest["chunk_bytes"]
         ranges = fmt.share_ranges([entry["nbytes"] for *_, entry in arrays], run.size, chunk_bytes)
-        shares = self._read_shares(run, directory, [entry for *_, entry in arrays], ranges, chunk_bytes)
+        shares = self._read_shares(run, directory, manifest, [entry for *_, entry in arrays], ranges)
         self._set_states(run, [(name, obj, entry) for name, kind, obj, entry in plan if kind == fmt.STATE])
         # nothing can fail any more: exchange the shares and assign
         for (kind, obj, entry), entry_ranges, share in zip(arrays, ranges, shares):
@@ -330,32 +362,33 @@ class Checkpoint:
 
     @staticmethod
     def _load_manifest(run: "_Protocol", path: fmt.PathLike) -> tuple[Path, dict]:
-        """Collective: rank 0 finds the save and reads its manifest; every rank gets both."""
+        """Collective: rank 0 finds the save, checks its manifest and files; every rank gets both."""
         failure: Optional[BaseException] = None
         payload: dict = {}
         if run.rank == 0:
             try:
-                directory = fmt.resolve(path)
-                payload = {"dir": str(directory), "manifest": fmt.read_manifest(directory)}
-            except Exception as exc:
+                with Save.open(path) as save:
+                    save.check(save.arrays)
+                    payload = {"dir": str(save.directory), "manifest": save.manifest}
+            except Exception as exc:  # MemoryError, RecursionError and OSError too: every rank must hear of it
                 failure = exc
         reply = run.share(payload, failure)
         return Path(reply["dir"]), reply["manifest"]
 
-    def _read_shares(self, run: "_Protocol", directory: Path, entries: list[dict],
-                     ranges: list[list[tuple[int, int]]], chunk_bytes: int) -> list[np.ndarray]:
+    def _read_shares(self, run: "_Protocol", directory: Path, manifest: dict, entries: list[dict],
+                     ranges: list[list[tuple[int, int]]]) -> list[np.ndarray]:
         """Collective: every rank reads and verifies its share of every entry; raises everywhere on failure."""
         failure: Optional[BaseException] = None
-        pieces = [fmt.Piece(entry, lo, hi, np.empty(hi - lo, np.uint8))
-                  for entry, entry_ranges in zip(entries, ranges) for lo, hi in [entry_ranges[run.rank]]]
+        pieces = [fmt.Piece(entry, lo, hi) for entry, entry_ranges in zip(entries, ranges)
+                  for lo, hi in [entry_ranges[run.rank]]]
         try:
             self._check_visible(directory, run.rank)
-            mine = [p for p in pieces if p.hi > p.lo or (p.entry["nbytes"] == 0 and run.rank == 0)]
-            fmt.read_pieces(directory, mine, chunk_bytes, fmt.io_threads(run.comm.local_size))
+            with Save.at(directory, manifest) as save:
+                save.read([p for p in pieces if p.hi > p.lo], fmt.io_threads(run.comm.local_size))
         except Exception as exc:
             failure = exc
         run.gather(None, failure)
-        return [p.buffer for p in pieces]
+        return [p.buffer if p.hi > p.lo else np.empty(0, np.uint8) for p in pieces]
 
     def _set_states(self, run: "_Protocol", states: list[tuple[str, Any, dict]]) -> None:
         """Collective: ``set_state`` of each iterator; rolled back on every rank unless all ranks succeeded."""
@@ -402,10 +435,14 @@ class Checkpoint:
     def _get_state(name: str, obj: Any) -> Any:
         state = obj.get_state()
         try:
-            return json.loads(json.dumps(state))
-        except (TypeError, ValueError) as exc:
+            copy = json.loads(json.dumps(state))
+        except (TypeError, ValueError, RecursionError) as exc:
             raise TypeError(f"Checkpoint item {name!r}: get_state() returned {type(state).__name__} that JSON "
                             f"cannot hold ({exc}); return a dict of numbers, strings, lists and dicts") from None
+        if not validate.state_fits(copy):
+            raise ValueError(f"Checkpoint item {name!r}: get_state() returned a value nested deeper than "
+                             f"{validate.MAX_DEPTH - 4} levels, more than a checkpoint holds")
+        return copy
 
     @staticmethod
     def _entries(descriptions: list[dict], states_by_rank: list[dict]) -> list[dict]:
@@ -428,12 +465,17 @@ class Checkpoint:
             entries.append(entry)
         return entries
 
-    def _values(self, strategy: "MPIStrategy") -> dict[str, Any]:
-        """The value saved for each array item (collective: sync-on-read variables are reduced)."""
+    def _values(self, strategy: "MPIStrategy", rank0_mirrors: bool) -> dict[str, Any]:
+        """The value saved for each array item (collective: sync-on-read variables are reduced, and
+        with ``rank0_mirrors`` rank 0's mirrored components broadcast into copies)."""
         values = {}
         for name, (kind, obj) in self._items.items():
             if kind == fmt.SYNC_ON_READ:
+                obj.warn_if_not_restorable()
                 values[name] = strategy.read_var(obj)
+            elif kind == fmt.MIRRORED and rank0_mirrors and strategy.num_replicas_in_sync > 1:
+                values[name] = strategy.communicator.broadcast(obj.read_value().copy(), 0,
+                                                               name=f"mirrored variable {name!r} (rank 0's value)")
             elif kind == fmt.MIRRORED:
                 values[name] = obj.read_value()
             elif kind == fmt.ARRAY:
@@ -509,6 +551,31 @@ class Checkpoint:
                 full[start:start + n] = got[offset:offset + n]
                 offset += n
         return full
+
+
+def _fingerprint(value: Any, threads: int) -> int:
+    """CRC-32 of the CRC-32s of every piece of an array's bytes (pieces checksummed on ``threads``). Local."""
+    nbytes = int(value.nbytes)
+    tasks = [lambda lo=lo: zlib.crc32(_host_bytes(value, lo, min(lo + _FINGERPRINT_PIECE, nbytes)))
+             for lo in range(0, nbytes, _FINGERPRINT_PIECE)]
+    return zlib.crc32(np.array(fmt.run_tasks(tasks, threads), np.uint32).tobytes())
+
+
+def _check_mirrors(what: str, fingerprints: list[dict[str, int]]) -> None:
+    """Raise ``MirrorDivergenceError`` if a mirrored variable's fingerprint differs from rank 0's.
+
+    Local, but every rank passes the same (gathered) list, so all raise together.
+    """
+    diverged = {name: tuple(r for r, mine in enumerate(fingerprints) if mine[name] != first)
+                for name, first in fingerprints[0].items()}
+    diverged = {name: ranks for name, ranks in diverged.items() if ranks}
+    if diverged:
+        detail = "; ".join(f"mirrored variable {name!r} differs from rank 0's on rank{'s' if len(r) > 1 else ''} "
+                           f"{format_ranks(r)}" for name, r in sorted(diverged.items()))
+        raise MirrorDivergenceError(
+            f"{what}: {detail} (compared by CRC-32; nothing was written). Each rank must update a mirrored "
+            "variable only through collective assign/assign_add/assign_sub calls; to save rank 0's value anyway, "
+            "pass check_mirrors=False", diverged)
 
 
 def _host_bytes(value: Any, lo: int, hi: int) -> np.ndarray:

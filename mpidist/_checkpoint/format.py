@@ -1,4 +1,4 @@
-"""The checkpoint format on disk: pure file handling, no MPI, no strategy.
+"""The checkpoint format on disk and writing it: pure file handling, no MPI, no strategy.
 
 A *checkpoint directory* (the ``path`` given to ``Checkpoint.save``) holds one
 subdirectory per kept save, numbered in the order they were made::
@@ -10,6 +10,7 @@ subdirectory per kept save, numbered in the order they were made::
         0001-weights.npy
       ckpt-000008/ ...         the newest complete one is "the checkpoint at path"
       .tmp-ckpt-000009-1a2b/   a save in progress (or one that was killed): ignored
+      .old-ckpt-000006-3c4d/   an old save being removed (or whose removal was killed): ignored
 
 Every ``.npy`` file is a plain NumPy file (``numpy.load(f, allow_pickle=False)``
 reads it); ``manifest.json`` is plain JSON. Nothing in a checkpoint is ever
@@ -18,8 +19,11 @@ unpickled or executed.
 Atomicity: a save writes a hidden ``.tmp-ckpt-*`` directory, fsyncs its files
 and the directory, and only then renames it to ``ckpt-NNNNNN``: a rename is
 atomic, so a save killed at any moment leaves the previous saves untouched,
-and readers never see a half-written one. Older saves beyond ``keep`` and
-leftovers of killed saves are removed after the commit.
+and readers never see a half-written one. Older saves beyond ``keep`` are
+renamed to hidden ``.old-ckpt-*`` names and then deleted, after the commit,
+together with leftovers of killed saves and removals. Reading a save (with
+every check a reader makes on files it did not write) is in
+:mod:`mpidist._checkpoint.reader` and :mod:`mpidist._checkpoint.validate`.
 
 Checksums: CRC-32 (``zlib.crc32``) of every piece of ``chunk_bytes`` bytes of
 array data, of each ``.npy`` header, and of the manifest itself. CRC-32 is
@@ -50,17 +54,13 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from mpidist._errors import CheckpointError, ChecksumError
+from mpidist._errors import CheckpointError
 from mpidist._units import human_size
 from mpidist._version import __version__
 
 __all__ = [
     "CHUNK_BYTES",
-    "Report",
-    "inspect",
     "list_versions",
-    "read_checkpoint",
-    "resolve",
     "share_ranges",
 ]
 
@@ -69,13 +69,14 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 VERSION_PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-ckpt-"
+OLD_PREFIX = ".old-ckpt-"
 CHUNK_BYTES = 8 << 20
 
 MIRRORED, SYNC_ON_READ, ARRAY, STATE = "mirrored", "sync_on_read", "array", "state"
 ARRAY_KINDS = (MIRRORED, SYNC_ON_READ, ARRAY)
 
 _VERSION_RE = re.compile(rf"^{re.escape(VERSION_PREFIX)}(\d+)$")
-_TMP_RE = re.compile(rf"^{re.escape(TMP_PREFIX)}(\d+)-")
+_LEFTOVER_RE = re.compile(rf"^(?:{re.escape(TMP_PREFIX)}|{re.escape(OLD_PREFIX)})(\d+)-")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.npy$")
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -106,6 +107,11 @@ def npy_header(shape: Sequence[int], dtype: np.dtype) -> bytes:
 def safe_file_name(index: int, name: str) -> str:
     """``0003-layer1.kernel.npy``: the entry's index keeps names unique, the rest keeps them readable."""
     return f"{index:04d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:80]}.npy"
+
+
+def is_data_file_name(name: str) -> bool:
+    """Whether ``name`` is a plain ``.npy`` file name inside a save (no path separators, not hidden)."""
+    return _FILE_RE.match(name) is not None
 
 
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:
@@ -163,7 +169,7 @@ def _write_chunk(fd: int, data: memoryview, offset: int) -> int:
     return zlib.crc32(data)
 
 
-def _pread_into(fd: int, out: memoryview, offset: int) -> int:
+def pread_into(fd: int, out: memoryview, offset: int) -> int:
     """Fill ``out`` from ``offset``; returns the bytes read (fewer only at the end of the file)."""
     done = 0
     while done < len(out):
@@ -174,7 +180,7 @@ def _pread_into(fd: int, out: memoryview, offset: int) -> int:
     return done
 
 
-def _run(tasks: list[Callable[[], Any]], threads: int) -> list[Any]:
+def run_tasks(tasks: list[Callable[[], Any]], threads: int) -> list[Any]:
     """Run ``tasks`` (file I/O and CRCs, which release the GIL) on up to ``threads`` threads."""
     if threads <= 1 or len(tasks) <= 1:
         return [task() for task in tasks]
@@ -189,7 +195,7 @@ class Piece:
     entry: dict
     lo: int
     hi: int
-    buffer: Any = None  # uint8 array of hi - lo bytes (data to write, or where reads land)
+    buffer: Any = None  # uint8 array of hi - lo bytes (data to write, or where reads land; made by the reader)
 
 
 def write_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads: int,
@@ -213,152 +219,32 @@ def write_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads
                 tasks.append(lambda fd=fd, part=part, lo=lo, entry=entry: (
                     entry["name"], lo // chunk_bytes, _write_chunk(fd, part, entry["data_offset"] + lo)))
         crcs: dict[str, dict[int, int]] = {}
-        for name, index, crc in _run(tasks, threads):
+        for name, index, crc in run_tasks(tasks, threads):
             crcs.setdefault(name, {})[index] = crc
         if fsync:
-            _run([lambda fd=fd: os.fsync(fd) for fd in fds.values()], threads)
+            run_tasks([lambda fd=fd: os.fsync(fd) for fd in fds.values()], threads)
     finally:
         for fd in fds.values():
             os.close(fd)
     return crcs
 
 
-def read_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads: int) -> None:
-    """Read each piece into its buffer, verifying the CRC-32 of every chunk and header touched. Local.
-
-    Raises:
-        ChecksumError: a file is missing, too short, or a chunk or header
-            does not match its checksum; the message names file and entry.
-    """
-    fds: dict[str, int] = {}
-    tasks = []
-    try:
-        for piece in pieces:
-            entry = piece.entry
-            path = directory / entry["file"]
-            if entry["file"] not in fds:
-                try:
-                    fds[entry["file"]] = os.open(path, os.O_RDONLY)
-                except FileNotFoundError:
-                    raise ChecksumError(f"{path}: data file of {entry['name']!r} is missing; the checkpoint "
-                                        "is damaged", file=str(path), entry=entry["name"]) from None
-            fd = fds[entry["file"]]
-            if piece.lo == 0:
-                tasks.append(lambda fd=fd, entry=entry, path=path: _verify_header(fd, entry, path))
-            view = memoryview(piece.buffer)
-            for lo in range(piece.lo, piece.hi, chunk_bytes):
-                part = view[lo - piece.lo:min(lo + chunk_bytes, piece.hi) - piece.lo]
-                tasks.append(lambda fd=fd, part=part, lo=lo, entry=entry, path=path: _read_chunk(
-                    fd, part, lo, entry, path, chunk_bytes))
-        _run(tasks, threads)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _verify_header(fd: int, entry: dict, path: Path) -> None:
-    header = bytearray(entry["data_offset"])
-    got = _pread_into(fd, memoryview(header), 0)
-    if got < len(header) or zlib.crc32(header) != entry["header_crc32"]:
-        raise ChecksumError(f"{path}: the .npy header of {entry['name']!r} does not match its checksum "
-                            "(the file was altered or damaged after it was written)",
-                            file=str(path), entry=entry["name"])
-    size = os.fstat(fd).st_size
-    if size != entry["data_offset"] + entry["nbytes"]:
-        raise ChecksumError(f"{path}: data file of {entry['name']!r} has {size} bytes, expected "
-                            f"{entry['data_offset'] + entry['nbytes']} (truncated or extended after it was "
-                            "written)", file=str(path), entry=entry["name"])
-
-
-def _read_chunk(fd: int, out: memoryview, lo: int, entry: dict, path: Path, chunk_bytes: int) -> None:
-    got = _pread_into(fd, out, entry["data_offset"] + lo)
-    index = lo // chunk_bytes
-    where = f"{path}: {entry['name']!r}, bytes {lo}-{lo + len(out)} (chunk {index})"
-    if got < len(out):
-        raise ChecksumError(f"{where}: the file ends after {entry['data_offset'] + lo + got} bytes; it was "
-                            "truncated after it was written", file=str(path), entry=entry["name"])
-    expected, found = entry["chunk_crc32"][index], zlib.crc32(out)
-    if found != expected:
-        raise ChecksumError(f"{where}: CRC-32 {found:08x} does not match the recorded {expected:08x}; the "
-                            "file was altered or damaged after it was written", file=str(path),
-                            entry=entry["name"])
-
-
 # -- manifest ----------------------------------------------------------------------------
-def _canonical(obj: Any) -> bytes:
+def canonical(obj: Any) -> bytes:
+    """The form of a manifest that its CRC-32 covers: JSON with sorted keys and no spaces."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
 def encode_manifest(manifest: dict) -> bytes:
     """The manifest as JSON text with its own CRC-32 (of the canonical form of everything else)."""
     body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
-    return json.dumps({**body, "manifest_crc32": zlib.crc32(_canonical(body))}, indent=1).encode()
-
-
-def decode_manifest(data: bytes, where: str) -> dict:
-    """Parse and verify a manifest (JSON only, nothing is executed). Raises :class:`ChecksumError`."""
-    try:
-        manifest = json.loads(data.decode())
-        body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
-        intact = manifest.get("manifest_crc32") == zlib.crc32(_canonical(body))
-    except (UnicodeDecodeError, ValueError, AttributeError) as exc:
-        raise ChecksumError(f"{where}: not a valid manifest ({exc}); the checkpoint is damaged",
-                            file=where) from None
-    if not intact:
-        raise ChecksumError(f"{where}: the manifest does not match its checksum; it was altered or damaged "
-                            "after it was written", file=where)
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("format_version"), int):
-        raise CheckpointError(f"{where}: not an mpidist checkpoint manifest")
-    if manifest["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{where}: checkpoint format version {manifest['format_version']} is newer than "
-                              f"this mpidist ({__version__}) reads ({FORMAT_VERSION}); upgrade mpidist")
-    try:
-        _check_entries(manifest)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ChecksumError(f"{where}: malformed manifest ({exc}); the checkpoint is damaged", file=where) from None
-    return manifest
-
-
-def _check_entries(manifest: dict) -> None:
-    """Reject anything a reader could misuse: unsafe dtypes, file names outside the save, bad sizes."""
-    chunk = manifest["chunk_bytes"]
-    if not (isinstance(chunk, int) and chunk > 0 and isinstance(manifest["world_size"], int)):
-        raise ValueError("bad chunk_bytes or world_size")
-    names = set()
-    for entry in manifest["entries"]:
-        name, kind = entry["name"], entry["kind"]
-        if not isinstance(name, str) or name in names or kind not in ARRAY_KINDS + (STATE,):
-            raise ValueError(f"entry {name!r}: duplicate name or unknown kind {kind!r}")
-        names.add(name)
-        if kind == STATE:
-            continue
-        dtype = check_dtype(entry["dtype"], name)
-        shape = entry["shape"]
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise ValueError(f"entry {name!r}: bad shape {shape!r}")
-        if entry["nbytes"] != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or chunk % dtype.itemsize:
-            raise ValueError(f"entry {name!r}: size {entry['nbytes']!r} does not match shape and dtype")
-        if not (isinstance(entry["file"], str) and _FILE_RE.match(entry["file"])):
-            raise ValueError(f"entry {name!r}: file name {entry['file']!r} is not a plain .npy name")
-        if not (isinstance(entry["data_offset"], int) and 0 < entry["data_offset"] < 1 << 32
-                and isinstance(entry["header_crc32"], int)):
-            raise ValueError(f"entry {name!r}: bad header offset or checksum")
-        crcs = entry["chunk_crc32"]
-        if not (isinstance(crcs, list) and len(crcs) == chunk_count(entry["nbytes"], chunk)
-                and all(isinstance(c, int) for c in crcs)):
-            raise ValueError(f"entry {name!r}: wrong number of chunk checksums")
+    return json.dumps({**body, "manifest_crc32": zlib.crc32(canonical(body))}, indent=1).encode()
 
 
 def make_manifest(entries: list[dict], world_size: int, chunk_bytes: int) -> dict:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "mpidist_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": world_size,
             "checksum": "crc32", "chunk_bytes": chunk_bytes, "entries": entries}
-
-
-def read_manifest(version_dir: Path) -> dict:
-    """Read and verify ``version_dir/manifest.json``. Local."""
-    path = Path(version_dir) / MANIFEST
-    return decode_manifest(path.read_bytes(), str(path))
 
 
 def entry_array(entry: dict, buffer: Any) -> np.ndarray:
@@ -376,31 +262,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def list_versions(path: PathLike) -> list[Path]:
-    """The complete saves in checkpoint directory ``path``, oldest first. Local."""
+    """The saves in checkpoint directory ``path``, oldest first: every ``ckpt-NNNNNN`` holding a manifest. Local.
+
+    A save appears here only through the rename that commits it and leaves
+    only through the rename that starts its removal, so a listed save is
+    always complete.
+    """
     root = Path(path)
     found = []
     for child in root.iterdir() if root.is_dir() else ():
         match = _VERSION_RE.match(child.name)
-        if match and (child / MANIFEST).is_file():
+        if match and os.path.lexists(child / MANIFEST):
             found.append((int(match.group(1)), child))
     return [p for _, p in sorted(found)]
-
-
-def resolve(path: PathLike) -> Path:
-    """The save to read: ``path`` itself if it holds a manifest, else its newest save. Local.
-
-    Raises:
-        FileNotFoundError: ``path`` holds no complete save.
-    """
-    root = Path(path)
-    if (root / MANIFEST).is_file():
-        return root
-    versions = list_versions(root)
-    if not versions:
-        what = "does not exist" if not root.exists() else "holds no complete checkpoint"
-        raise FileNotFoundError(f"checkpoint {root} {what} (expected {VERSION_PREFIX}NNNNNN/{MANIFEST} "
-                                "inside it, written by Checkpoint.save)")
-    return versions[-1]
 
 
 def begin_save(path: PathLike) -> tuple[Path, int]:
@@ -412,7 +286,7 @@ def begin_save(path: PathLike) -> tuple[Path, int]:
     root.mkdir(parents=True, exist_ok=True)
     numbers = [0]
     for child in root.iterdir():
-        match = _VERSION_RE.match(child.name) or _TMP_RE.match(child.name)
+        match = _VERSION_RE.match(child.name) or _LEFTOVER_RE.match(child.name)
         if match:
             numbers.append(int(match.group(1)))
         elif not child.name.startswith("."):
@@ -437,11 +311,11 @@ def create_files(directory: Path, entries: list[dict]) -> None:
             os.close(fd)
 
 
-def commit(tmp: Path, number: int, manifest: dict, fsync: bool) -> Path:
-    """Write the manifest, then rename ``tmp`` to ``ckpt-NNNNNN``: the atomic step of a save. Local."""
+def commit(tmp: Path, number: int, manifest: bytes, fsync: bool) -> Path:
+    """Write the (encoded) manifest, then rename ``tmp`` to ``ckpt-NNNNNN``: the atomic step of a save. Local."""
     fd = os.open(tmp / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _pwrite_all(fd, memoryview(encode_manifest(manifest)), 0)
+        _pwrite_all(fd, memoryview(manifest), 0)
         if fsync:
             os.fsync(fd)
     finally:
@@ -456,16 +330,35 @@ def commit(tmp: Path, number: int, manifest: dict, fsync: bool) -> Path:
 
 
 def prune(root: Path, keep: int, current: Path) -> list[str]:
-    """Remove saves older than the newest ``keep`` and leftovers of killed saves; returns problems. Local."""
+    """Remove saves older than the newest ``keep``, and leftovers of killed saves and removals; returns problems. Local.
+
+    Each old save is first renamed to a hidden ``.old-ckpt-*`` name, which
+    takes it out of the listing in one atomic step, and only then deleted:
+    a removal killed at any moment leaves no half-deleted save listed, only
+    a hidden leftover that the next call removes.
+    """
     problems = []
-    doomed = [p for p in list_versions(root)[:-keep] if p != current]
-    doomed += [c for c in root.iterdir() if _TMP_RE.match(c.name)]
-    for path in doomed:
+    for path in [p for p in list_versions(root)[:-keep] if p != current]:
+        number = path.name[len(VERSION_PREFIX):]
         try:
-            shutil.rmtree(path)
+            os.rename(path, root / f"{OLD_PREFIX}{number}-{secrets.token_hex(4)}")
         except OSError as exc:
             problems.append(f"could not remove {path}: {exc}")
+    for child in root.iterdir():
+        if _LEFTOVER_RE.match(child.name):
+            try:
+                _remove(child)
+            except OSError as exc:
+                problems.append(f"could not remove {child}: {exc}")
     return problems
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a symbolic link (not what it points to) or a directory tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def discard(tmp: Path) -> None:
@@ -473,84 +366,11 @@ def discard(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-# -- reading without a strategy --------------------------------------------------------------
+# -- threads and listings ------------------------------------------------------------------------
 def io_threads(ranks_on_node: int = 1) -> int:
     """Threads for file I/O and CRCs: this node's cores shared among its ranks, 1 to 4."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(4, cores // max(1, ranks_on_node)))
-
-
-def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndarray]:
-    """Read a checkpoint into plain NumPy arrays, without MPI or a strategy. Local.
-
-    Args:
-        path: a checkpoint directory (its newest save is read) or one save
-            inside it (``path/ckpt-000003``).
-        verify: check every CRC-32 (default). Without it, data is read with
-            ``numpy.load(..., allow_pickle=False)`` and only sizes are checked.
-
-    Returns:
-        ``{name: array}`` for every array entry: a mirrored variable's value,
-        a sync-on-read variable's reduced value, a plain array. Iterator
-        states are not arrays; they are in the manifest's JSON.
-
-    Raises:
-        FileNotFoundError: no complete save at ``path``.
-        ChecksumError: a file is damaged; the message names it and the entry.
-    """
-    directory = resolve(path)
-    manifest = read_manifest(directory)
-    entries = [e for e in manifest["entries"] if e["kind"] in ARRAY_KINDS]
-    if not verify:
-        return {e["name"]: np.load(directory / e["file"], allow_pickle=False) for e in entries}
-    pieces = [Piece(e, 0, e["nbytes"], np.empty(e["nbytes"], np.uint8)) for e in entries]
-    read_pieces(directory, pieces, manifest["chunk_bytes"], io_threads())
-    return {p.entry["name"]: entry_array(p.entry, p.buffer) for p in pieces}
-
-
-@dataclasses.dataclass
-class Report:
-    """What :func:`inspect` found in one save."""
-
-    directory: Path
-    manifest: dict
-    problems: dict[str, str]  # entry name -> what is wrong with it (empty: all verified)
-    verified: bool
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def inspect(path: PathLike, *, verify: bool = True) -> Report:
-    """Describe one save and (with ``verify``) check every checksum, collecting all problems. Local.
-
-    Raises:
-        FileNotFoundError: no complete save at ``path``.
-        ChecksumError: the manifest itself is damaged.
-    """
-    directory = resolve(path)
-    manifest = read_manifest(directory)
-    problems: dict[str, str] = {}
-    if verify:
-        for entry in manifest["entries"]:
-            if entry["kind"] not in ARRAY_KINDS:
-                continue
-            try:
-                _verify_entry(directory, entry, manifest["chunk_bytes"])
-            except ChecksumError as exc:
-                problems[entry["name"]] = str(exc)
-    return Report(directory, manifest, problems, verify)
-
-
-def _verify_entry(directory: Path, entry: dict, chunk_bytes: int) -> None:
-    """Check an entry's header and chunks, holding only a few chunks in memory at a time. Local."""
-    threads = io_threads()
-    step = chunk_bytes * threads
-    buffer = np.empty(min(step, entry["nbytes"]), np.uint8)
-    for lo in range(0, max(entry["nbytes"], 1), step):
-        hi = min(lo + step, entry["nbytes"])
-        read_pieces(directory, [Piece(entry, lo, hi, buffer[:hi - lo])], chunk_bytes, threads)
 
 
 def describe_entry(entry: dict) -> dict[str, str]:
