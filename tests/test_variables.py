@@ -6,6 +6,11 @@ identical on all ranks by gathering their bytes.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import warnings
+
 import numpy as np
 import pytest
 
@@ -58,9 +63,98 @@ def test_creation_dtype_and_names(strategy):
     with strategy.scope():
         a = Variable(3, dtype=np.float32)
         b = Variable([1, 2], synchronization=Sync.ON_READ, aggregation=Agg.SUM)
-    assert a.dtype == np.float32 and a.shape == () and a.name.startswith("Variable")
+    assert a.dtype == np.float32 and a.shape == ()
     assert isinstance(b, SyncOnReadVariable) and isinstance(b, md.PerReplica) and b.dtype == np.int64
     assert a.name != b.name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_names_count_per_strategy(device):
+    for _ in range(2):  # a second strategy starts again from "Variable"
+        s = MPIStrategy(device=device)
+        with s.scope():
+            names = [Variable(0.0).name, Variable(1.0, name="w").name, Variable(2.0).name,
+                     Variable(3.0, synchronization=Sync.ON_READ).name]
+        assert names == ["Variable", "w", "Variable_1", "Variable_2"]
+        s.free()
+
+
+def test_conversion_of_mirrored_variables_is_the_local_component(strategy):
+    r = strategy.rank
+    with strategy.scope():
+        v = Variable(np.array([1.0, 2.0]), aggregation=Agg.SUM)
+        if strategy.backend.is_gpu:
+            cp = strategy.backend.xp
+            assert cp.asarray(v).data.ptr == v._component.data.ptr
+            assert v.__cuda_array_interface__["data"][0] == v._component.data.ptr
+            assert_equal(cp.from_dlpack(v), [1.0, 2.0])
+            with pytest.raises(TypeError):
+                np.asarray(v)  # no implicit device-to-host copy, as for the component itself
+        else:
+            a = np.asarray(v)
+            assert a.dtype == np.float64 and np.shares_memory(a, v._component)
+            assert_equal(np.asarray(v, dtype=np.float32), np.array([1, 2], dtype=np.float32))
+            assert_equal(np.from_dlpack(v), [1.0, 2.0])
+            assert not hasattr(v, "__cuda_array_interface__")
+        strategy.run(lambda: v.assign_add(np.array([r + 1.0, 0.0])))
+        assert_equal(host(v.__array__()) if not strategy.backend.is_gpu else host(v._component),
+                     [1.0 + sum(range(1, strategy.num_replicas_in_sync + 1)), 2.0])
+
+
+@pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN])
+def test_conversion_of_sync_on_read_variables_is_never_collective(strategy, agg):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    xp = strategy.backend.xp
+    with strategy.scope():
+        v = Variable(np.zeros(2), synchronization=Sync.ON_READ, aggregation=agg)
+    strategy.run(lambda: v.assign(np.array([r, 10.0 * r])))
+    # replica context and outside any scope: the local component, without communication
+    inside = strategy.run(lambda: xp.asarray(v)).get()
+    assert_equal(inside, [r, 10.0 * r])
+    assert_equal(xp.asarray(v), [r, 10.0 * r])
+    if r == 0:  # only rank 0 converts: a collective here would hang the others
+        with strategy.scope():
+            with pytest.raises(TypeError, match=r"read_value\(\).*strategy\.read_var"):
+                np.asarray(v)
+            with pytest.raises(TypeError, match="cross-replica context"):
+                xp.asarray(v)
+            assert "SyncOnReadVariable" in repr(v)  # printing stays local
+    total = sum(range(n)) / (n if agg is Agg.MEAN else 1)
+    assert_close(strategy.read_var(v), [total, 10.0 * total])
+
+
+def test_checkpoint_save_warns_once_for_a_sync_on_read_variable_without_aggregation(strategy):
+    world = strategy.comm
+    path = world.bcast(tempfile.mkdtemp(prefix="mpidist-none-") if world.rank == 0 else None)
+    n = strategy.num_replicas_in_sync
+    try:
+        with strategy.scope():
+            v = Variable(np.ones(2), name="none_counter", synchronization=Sync.ON_READ)
+            w = Variable(np.ones(2), name="sum_counter", synchronization=Sync.ON_READ, aggregation=Agg.SUM)
+        ckpt = md.Checkpoint(v=v, w=w)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            ckpt.save(os.path.join(path, "a"))
+            ckpt.save(os.path.join(path, "b"))
+        messages = [str(x.message) for x in record if issubclass(x.category, UserWarning)]
+        assert len(messages) == 1 and "'none_counter' has aggregation NONE" in messages[0], messages
+        assert "does not round-trip" in messages[0] and f"rank {strategy.rank}" in messages[0]
+        ckpt.restore(os.path.join(path, "b"))
+        assert_close(strategy.read_var(w), [n, n])
+        assert_close(strategy.read_var(v), [n * n, n * n])  # NONE: the saved sum lands on every component
+    finally:
+        world.Barrier()
+        if world.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN, Agg.ONLY_FIRST_REPLICA])
+def test_replica_update_with_a_constant_under_sum_adds_n_times(strategy, agg):
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        v = Variable(0.0, aggregation=agg)
+    strategy.run(lambda: v.assign_add(1.0))
+    assert_equal(v.numpy(), n if agg is Agg.SUM else 1.0)
 
 
 @pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN, Agg.ONLY_FIRST_REPLICA])
@@ -143,8 +237,9 @@ def test_sync_on_read_cross_replica_assign(strategy, agg):
     with strategy.scope():
         v = Variable(np.zeros(3), name="sor_assign", synchronization=Sync.ON_READ, aggregation=agg)
         v.assign(np.array([3.0, 6.0, 9.0]))
-        assert_close(v._component, np.array([3.0, 6.0, 9.0]) / (n if agg in (Agg.SUM, Agg.NONE) else 1))
-        assert_close(v.read_value(), [3.0, 6.0, 9.0])
+        assert_close(v._component, np.array([3.0, 6.0, 9.0]) / (n if agg is Agg.SUM else 1))
+        # NONE reads as SUM, so a value assigned unchanged to every component reads back n times.
+        assert_close(v.read_value(), np.array([3.0, 6.0, 9.0]) * (n if agg is Agg.NONE else 1))
         with pytest.raises(RuntimeError, match="only allowed in replica context"):
             v.assign_add(1.0)
         with pytest.raises(RuntimeError, match="only allowed in replica context"):

@@ -16,9 +16,11 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from mpidist._comm.reduce_op import ReduceOp
+from mpidist._distribute import values
 
 if TYPE_CHECKING:  # imported for type hints only: the strategy layer sits above this one
     from mpidist._distribute.strategy import MPIStrategy
+    from mpidist._distribute.variables import VariableAggregation
 
 __all__ = ["ReplicaContext", "get_replica_context", "get_strategy", "in_cross_replica_context"]
 
@@ -85,6 +87,15 @@ def in_cross_replica_context() -> bool:
     return top is not None and top.replica is None
 
 
+def _replica_id() -> Optional[int]:
+    """The current replica's id in replica context, else ``None``: what ``DistributedValues.get()`` uses."""
+    top = _top()
+    return top.replica.replica_id_in_sync_group if top is not None and top.replica is not None else None
+
+
+values.set_replica_id_source(_replica_id)
+
+
 def require_strategy(what: str) -> "MPIStrategy":
     """The active strategy, or a ``RuntimeError`` saying where ``what`` must be called."""
     strategy = get_strategy()
@@ -125,10 +136,13 @@ class ReplicaContext:
         """
         return self.strategy.extended.merge_call(merge_fn, tuple(args), dict(kwargs or {}))
 
-    def all_reduce(self, reduce_op: Union[ReduceOp, str], value: Any) -> Any:
+    def all_reduce(self, reduce_op: Union[ReduceOp, "VariableAggregation", str], value: Any) -> Any:
         """Collective: reduce a nest of arrays across replicas; every replica gets the result.
 
-        All arrays of the nest are reduced together; the result has the
-        nest's structure with plain arrays, identical on every rank.
+        ``reduce_op`` is a ``ReduceOp``, a ``VariableAggregation`` or a name
+        of either, as for ``strategy.reduce``. All arrays of the nest are
+        reduced together; the result has the nest's structure with plain
+        arrays, identical on every rank. A distributed value contributes
+        this rank's component.
         """
         return self.strategy.extended.reduce(reduce_op, value)

@@ -21,15 +21,21 @@ from mpidist._comm.reduce_op import ReduceOp
 from mpidist._distribute.context import ReplicaContext, enter_context
 from mpidist._distribute.nest import flatten, map_structure, pack_sequence_as
 from mpidist._distribute.values import DistributedValues, PerReplica, regroup
+from mpidist._distribute.variables import DistributedVariable, VariableAggregation
 from mpidist._options import Options
 
 if TYPE_CHECKING:
     from mpidist._distribute.strategy import MPIStrategy
-    from mpidist._distribute.variables import DistributedVariable, VariableAggregation
 
 __all__ = ["StrategyExtended"]
 
 UpdateFn = Callable[[Any, Any], Any]
+AnyReduceOp = Union[ReduceOp, VariableAggregation, str]
+
+# How a variable's aggregation combines the replicas' values; None: replica 0's value. NONE
+# combines as SUM: how a sync-on-read variable without aggregation reads.
+_AGGREGATION_OPS = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.NONE: ReduceOp.SUM,
+                    VariableAggregation.MEAN: ReduceOp.MEAN, VariableAggregation.ONLY_FIRST_REPLICA: None}
 
 
 class StrategyExtended:
@@ -42,6 +48,13 @@ class StrategyExtended:
         self._strategy = strategy
         self._comm = communicator
         self._flat = FlatStore(communicator.backend.xp) if options.flat_variables else None
+        self._unnamed = 0
+
+    def default_name(self) -> str:
+        """Local: the next default variable name of this strategy: ``"Variable"``, ``"Variable_1"``, ..."""
+        name = "Variable" if self._unnamed == 0 else f"Variable_{self._unnamed}"
+        self._unnamed += 1
+        return name
 
     @property
     def communicator(self) -> Communicator:
@@ -66,9 +79,32 @@ class StrategyExtended:
         return placed
 
     # -- reductions -------------------------------------------------------------------------
-    def reduce(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
+    def reduce_op(self, reduce_op: AnyReduceOp) -> Optional[ReduceOp]:
+        """Local: the ``ReduceOp`` of a ``ReduceOp``, a ``VariableAggregation`` or a name of either.
+
+        ``SUM``/``MEAN`` aggregations give that ``ReduceOp``; ``ONLY_FIRST_REPLICA`` gives
+        ``None`` (replica 0's value); ``NONE`` raises ``ValueError``.
+        """
+        if isinstance(reduce_op, str):
+            try:
+                reduce_op = VariableAggregation(reduce_op.lower())
+            except ValueError:
+                return ReduceOp.of(reduce_op)
+        if isinstance(reduce_op, VariableAggregation):
+            if reduce_op is VariableAggregation.NONE:
+                raise ValueError(f"rank {self._comm.rank}: VariableAggregation.NONE does not say how to combine "
+                                 "the replicas' values; reduce with SUM, MEAN or ONLY_FIRST_REPLICA")
+            return _AGGREGATION_OPS[reduce_op]
+        return ReduceOp.of(reduce_op)
+
+    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None) -> Any:
         """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`."""
-        op = ReduceOp.of(reduce_op)
+        op = self.reduce_op(reduce_op)
+        if op is None:
+            if axis is not None:
+                raise ValueError(f"rank {self._comm.rank}: ONLY_FIRST_REPLICA takes replica 0's value as it "
+                                 f"is; it has no axis to reduce along (got axis={axis})")
+            return map_structure(lambda x: self._comm.broadcast(self.local(x).copy(), root=0, name="reduce"), value)
         leaves = flatten(value)
         if axis is None and len(leaves) > 1:  # all leaves together: few MPI calls, one agreement record
             arrays = [self._prepared(op, leaf) for leaf in leaves]
@@ -78,17 +114,24 @@ class StrategyExtended:
             return map_structure(lambda x: self._comm.allreduce(self._prepared(op, x), op), value)
         return map_structure(lambda x: self._sum_or_mean(op, self.local(x), axis), value)
 
-    def reduce_async(self, reduce_op: Union[ReduceOp, str], value: Any) -> Handle:
-        """Collective, nonblocking :meth:`reduce` (without ``axis``)."""
-        op = ReduceOp.of(reduce_op)
-        arrays = [self._prepared(op, leaf) for leaf in flatten(value)]
+    def reduce_async(self, reduce_op: AnyReduceOp, value: Any) -> Handle:
+        """Collective, nonblocking :meth:`reduce` (without ``axis``).
+
+        ``ONLY_FIRST_REPLICA`` runs as a sum to which the other replicas add zeros.
+        """
+        op = self.reduce_op(reduce_op)
+        arrays = [self._prepared(op or ReduceOp.SUM, leaf) for leaf in flatten(value)]
+        if op is None:
+            op = ReduceOp.SUM
+            if self._comm.rank != 0:
+                arrays = [self._comm.backend.xp.zeros_like(a) for a in arrays]
         return self._comm.iallreduce_many(arrays, op, [f"reduce_async[{i}]" for i in range(len(arrays))],
                                           then=lambda results: pack_sequence_as(value, results))
 
     def aggregate(self, aggregation: "VariableAggregation", value: Any, name: str) -> Any:
         """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array)."""
         local = self.local(value)
-        op = _AGGREGATION_OPS[aggregation.value]
+        op = _AGGREGATION_OPS[aggregation]
         if op is None:
             return self._comm.broadcast(local.copy(), root=0, name=name)
         return self._comm.allreduce(local, op, name=name)
@@ -104,7 +147,7 @@ class StrategyExtended:
         Then, when due, the periodic ``check_mirrored`` of ``options.check_mirrored_every``.
         """
         self._comm.reduce_apply(values, [v._component for v in variables],
-                                [_AGGREGATION_OPS[v.aggregation.value] for v in variables], fn,
+                                [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
                                 [v.name for v in variables], in_place)
         every = self._strategy.options.check_mirrored_every
         if every:
@@ -120,8 +163,6 @@ class StrategyExtended:
     # -- contexts -----------------------------------------------------------------------------
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Collective: ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context; see ``ReplicaContext.merge_call``."""
-        from mpidist._distribute.variables import DistributedVariable
-
         rank = self._comm.rank
         wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
         with enter_context(self._strategy):
@@ -152,11 +193,6 @@ class StrategyExtended:
             count = self._comm.allreduce(np.array(local.shape[axis], dtype=np.int64), ReduceOp.SUM, name="count")
             total /= int(count)
         return total
-
-
-# How a variable's aggregation (by value, so that this module needs no import of the variables)
-# combines the replicas' values; None: replica 0's value.
-_AGGREGATION_OPS = {"sum": ReduceOp.SUM, "none": ReduceOp.SUM, "mean": ReduceOp.MEAN, "only_first_replica": None}
 
 
 def is_array(x: Any) -> bool:

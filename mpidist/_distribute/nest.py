@@ -14,12 +14,16 @@ All functions here are local: they touch no communicator and no other rank.
 """
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 __all__ = [
     "assert_same_structure",
     "flatten",
+    "is_number",
     "map_structure",
     "map_structure_with_path",
     "pack_sequence_as",
@@ -29,6 +33,11 @@ __all__ = [
 # --------------------------------------------------------------------------
 # Node classification
 # --------------------------------------------------------------------------
+
+
+def is_number(x: Any) -> bool:
+    """A number leaf: a Python or NumPy scalar other than ``bool`` (a flag). Local."""
+    return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, bool)
 
 
 def _is_namedtuple(x: Any) -> bool:

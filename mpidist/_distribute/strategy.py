@@ -17,10 +17,9 @@ from mpidist._comm.abort import install_abort_on_error
 from mpidist._comm.backend import Backend, array_module, contiguous, to_host
 from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat import zeros_like_layout
-from mpidist._comm.reduce_op import ReduceOp
 from mpidist._distribute.context import enter_context, get_replica_context
-from mpidist._distribute.extended import StrategyExtended, is_array
-from mpidist._distribute.nest import flatten, map_structure
+from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
+from mpidist._distribute.nest import flatten, is_number, map_structure
 from mpidist._distribute.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
 from mpidist._errors import MirrorDivergenceError, format_ranks
@@ -30,7 +29,7 @@ __all__ = ["MPIStrategy"]
 
 def _is_numeric_leaf(x: Any) -> bool:
     """Arrays and numbers: what ``run`` wraps as ``PerReplica``."""
-    return is_array(x) or (isinstance(x, (int, float, complex, np.generic)) and not isinstance(x, bool))
+    return is_array(x) or is_number(x)
 
 
 class MPIStrategy:
@@ -110,8 +109,8 @@ class MPIStrategy:
         """Call ``fn`` in replica context on this rank.
 
         ``PerReplica`` arguments (also inside lists, tuples and dicts) are
-        replaced by this rank's component; everything else is passed as it
-        is. The return value keeps its structure, with arrays and numbers
+        replaced by this rank's component (also when they hold components of
+        other replicas too); everything else is passed as it is. The return value keeps its structure, with arrays and numbers
         wrapped as ``PerReplica``; a variable (or its component) comes back
         as the variable, any other object as it is. Collective only if ``fn``
         makes collective calls (``merge_call``, updates of mirrored variables).
@@ -126,11 +125,16 @@ class MPIStrategy:
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
 
     # -- cross-replica collectives -----------------------------------------------------------
-    def reduce(self, reduce_op: Union[ReduceOp, str], value: Any, axis: Optional[int] = None) -> Any:
+    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None) -> Any:
         """Collective: reduce ``value`` across replicas; the result is identical on every rank.
 
-        ``value`` is a ``PerReplica``, a ``Mirrored`` (or variable), a plain
-        array or number, or a list/tuple/dict of those (reduced together).
+        ``reduce_op`` is a ``ReduceOp`` or a ``VariableAggregation`` (or the
+        name of either): ``SUM``/``MEAN`` as the ``ReduceOp``,
+        ``ONLY_FIRST_REPLICA`` gives replica 0's value on every rank, ``NONE``
+        raises ``ValueError``. ``value`` is a ``PerReplica``, a ``Mirrored``
+        (or variable), a plain array or number, or a list/tuple/dict of those
+        (reduced together); a distributed value contributes this rank's
+        component, also when it holds other replicas' too.
         Returns plain arrays of the components' module. With ``axis``, each
         component is first reduced along that axis; ``MEAN`` is then the mean
         over all elements of the global batch, also when replicas hold
@@ -138,7 +142,7 @@ class MPIStrategy:
         """
         return self._extended.reduce(reduce_op, value, axis)
 
-    def reduce_async(self, reduce_op: Union[ReduceOp, str], value: Any) -> Handle:
+    def reduce_async(self, reduce_op: AnyReduceOp, value: Any) -> Handle:
         """Collective, nonblocking :meth:`reduce` (without ``axis``): returns a :class:`~mpidist.Handle`.
 
         ``handle.wait()`` returns what :meth:`reduce` would. The values are

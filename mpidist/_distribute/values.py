@@ -94,6 +94,11 @@ class DistributedValues:
         index: maps replica id (an ``int``, the rank under MPI) to that
             replica's component. Under MPI this is ``{rank: value}``.
 
+    Converting a distributed value to an array (``numpy.asarray(v)``, and
+    the CUDA array interface / DLPack protocols where the component is on a
+    GPU) gives the local component, as :meth:`get` does. Conversion is
+    always local: it never communicates.
+
     Raises:
         ValueError: ``index`` is empty.
         TypeError: ``index`` is not a mapping, or a key is not an ``int``.
@@ -115,21 +120,24 @@ class DistributedValues:
     def get(self, replica_id: Optional[int] = None) -> Any:
         """The component of replica ``replica_id``. Local: no communication.
 
-        With ``replica_id=None``, the local component; that needs exactly one
-        local component (always the case under MPI, one replica per rank).
+        With ``replica_id=None``: the only local component when there is one
+        (always the case under MPI, one replica per rank); otherwise, in
+        replica context (inside ``strategy.run``), the current replica's.
 
         Raises:
-            ValueError: ``replica_id`` is not local, or it is ``None`` and
-                several components are local.
+            ValueError: ``replica_id`` is not local (the message names the
+                requested and the local ids), or it is ``None``, several
+                components are local and no replica context is active.
         """
         if replica_id is None:
             if len(self._index) == 1:
                 return next(iter(self._index.values()))
-            raise ValueError(
-                f"{type(self).__name__}.get(): this value holds components for replicas "
-                f"{list(self._index)}; pass replica_id to choose one (get() without an id "
-                f"needs exactly one local component)"
-            )
+            replica_id = _current_replica_id()
+            if replica_id is None:
+                raise ValueError(
+                    f"{type(self).__name__}.get(): this value holds components for replicas "
+                    f"{list(self._index)}; outside replica context pass replica_id to choose one"
+                )
         rid = _as_replica_id(replica_id)
         try:
             return self._index[rid]
@@ -145,13 +153,59 @@ class DistributedValues:
 
     __str__ = __repr__
 
+    # -- conversion to arrays (local) ---------------------------------------
+    def _convertible(self) -> Any:
+        """The component that conversions to arrays use: the local one. Local."""
+        return self.get()
+
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> numpy.ndarray:
+        """NumPy's view of the local component (``numpy.asarray(v)``). Local.
+
+        A device (CuPy) component fails here exactly as ``numpy.asarray`` of
+        the component itself does: no implicit device-to-host copy.
+        """
+        component = self._convertible()
+        if copy:
+            return numpy.array(component, dtype=dtype, copy=True)
+        if copy is False and _NUMPY2:
+            return numpy.asarray(component, dtype=dtype, copy=False)
+        return numpy.asarray(component, dtype=dtype)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """The local component's CUDA array interface (``AttributeError`` if it has none). Local."""
+        return self._convertible().__cuda_array_interface__
+
+    @property
+    def __dlpack__(self) -> Callable[..., Any]:
+        """The local component's ``__dlpack__`` method (``AttributeError`` if it has none). Local."""
+        return self._convertible().__dlpack__
+
+    @property
+    def __dlpack_device__(self) -> Callable[[], Any]:
+        """The local component's ``__dlpack_device__`` method (``AttributeError`` if none). Local."""
+        return self._convertible().__dlpack_device__
+
+
+# The current replica id for get() without an id: None outside replica context. The context
+# layer, above this one, installs the real source with set_replica_id_source.
+_current_replica_id: Callable[[], Optional[int]] = lambda: None
+
+
+def set_replica_id_source(source: Callable[[], Optional[int]]) -> None:
+    """Install the function that tells :meth:`DistributedValues.get` the current replica id. Local."""
+    global _current_replica_id
+    _current_replica_id = source
+
 
 class PerReplica(DistributedValues):
     """Unsynchronized values: each replica's component may differ.
 
     Unlike :class:`Mirrored`, a ``PerReplica`` is not a stand-in for its
-    component: use ``.get()``, ``strategy.run`` (which unwraps it) or
-    ``strategy.reduce``/``gather``.
+    component: it has no operators or attributes of the component. Use
+    ``.get()``, ``strategy.run`` (which unwraps it) or
+    ``strategy.reduce``/``gather``. ``numpy.asarray`` of it is the local
+    component (this rank's value, the SPMD reading of a per-replica value).
     """
 
 
@@ -159,8 +213,36 @@ class PerReplica(DistributedValues):
 # Delegation
 # --------------------------------------------------------------------------
 
-# Protocol attributes forwarded to the component (properties below).
+# Protocol attributes forwarded to the component (properties of DistributedValues).
 _FORWARDED_PROTOCOLS = frozenset({"__cuda_array_interface__", "__dlpack__", "__dlpack_device__"})
+
+
+def _forward(op: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda self, *args: op(self.get(), *args)
+
+
+def _reflect(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    return lambda self, other: op(other, self.get())
+
+
+def _power(a: Any, b: Any, modulo: Any = None) -> Any:
+    return pow(a, b) if modulo is None else pow(a, b, modulo)
+
+
+def _round(x: Any, ndigits: Optional[int] = None) -> Any:
+    return round(x) if ndigits is None else round(x, ndigits)
+
+
+# name -> operation on the component; binary ones also get their reflected form (__radd__, ...).
+_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+           "floordiv": operator.floordiv, "mod": operator.mod, "divmod": divmod, "matmul": operator.matmul,
+           "and": operator.and_, "or": operator.or_, "xor": operator.xor, "lshift": operator.lshift,
+           "rshift": operator.rshift}
+_OTHER = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
+          "ne": operator.ne, "neg": operator.neg, "pos": operator.pos, "invert": operator.invert, "abs": abs,
+          "getitem": operator.getitem, "len": len, "iter": iter, "contains": operator.contains,
+          "bool": bool, "float": float, "int": int, "index": operator.index, "complex": complex,
+          "round": _round, "pow": _power}
 
 
 class _Delegate(DistributedValues):
@@ -179,6 +261,10 @@ class _Delegate(DistributedValues):
     # reflected operators instead of NumPy converting us itself.
     __array_priority__ = 100.0
 
+    # Defining __eq__ would otherwise make instances unhashable; keep identity
+    # hashing so distributed values can be dict keys and set members.
+    __hash__ = object.__hash__
+
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup failed.
         if name.startswith("_"):
@@ -195,199 +281,21 @@ class _Delegate(DistributedValues):
             )
         return getattr(self.get(), name)
 
-    # -- arithmetic ---------------------------------------------------------
-    def __add__(self, o: Any) -> Any:
-        return self.get() + o
-
-    def __radd__(self, o: Any) -> Any:
-        return o + self.get()
-
-    def __sub__(self, o: Any) -> Any:
-        return self.get() - o
-
-    def __rsub__(self, o: Any) -> Any:
-        return o - self.get()
-
-    def __mul__(self, o: Any) -> Any:
-        return self.get() * o
-
-    def __rmul__(self, o: Any) -> Any:
-        return o * self.get()
-
-    def __truediv__(self, o: Any) -> Any:
-        return self.get() / o
-
-    def __rtruediv__(self, o: Any) -> Any:
-        return o / self.get()
-
-    def __floordiv__(self, o: Any) -> Any:
-        return self.get() // o
-
-    def __rfloordiv__(self, o: Any) -> Any:
-        return o // self.get()
-
-    def __mod__(self, o: Any) -> Any:
-        return self.get() % o
-
-    def __rmod__(self, o: Any) -> Any:
-        return o % self.get()
-
-    def __divmod__(self, o: Any) -> Any:
-        return divmod(self.get(), o)
-
-    def __rdivmod__(self, o: Any) -> Any:
-        return divmod(o, self.get())
-
-    def __pow__(self, o: Any, modulo: Any = None) -> Any:
-        if modulo is None:
-            return pow(self.get(), o)
-        return pow(self.get(), o, modulo)
-
     def __rpow__(self, o: Any, modulo: Any = None) -> Any:
-        if modulo is None:
-            return pow(o, self.get())
-        return pow(o, self.get(), modulo)
-
-    def __matmul__(self, o: Any) -> Any:
-        return self.get() @ o
-
-    def __rmatmul__(self, o: Any) -> Any:
-        return o @ self.get()
-
-    # -- bitwise ------------------------------------------------------------
-    def __and__(self, o: Any) -> Any:
-        return self.get() & o
-
-    def __rand__(self, o: Any) -> Any:
-        return o & self.get()
-
-    def __or__(self, o: Any) -> Any:
-        return self.get() | o
-
-    def __ror__(self, o: Any) -> Any:
-        return o | self.get()
-
-    def __xor__(self, o: Any) -> Any:
-        return self.get() ^ o
-
-    def __rxor__(self, o: Any) -> Any:
-        return o ^ self.get()
-
-    def __lshift__(self, o: Any) -> Any:
-        return self.get() << o
-
-    def __rlshift__(self, o: Any) -> Any:
-        return o << self.get()
-
-    def __rshift__(self, o: Any) -> Any:
-        return self.get() >> o
-
-    def __rrshift__(self, o: Any) -> Any:
-        return o >> self.get()
-
-    # -- comparisons (Python tries the swapped form for reflected cases) ---
-    def __lt__(self, o: Any) -> Any:
-        return self.get() < o
-
-    def __le__(self, o: Any) -> Any:
-        return self.get() <= o
-
-    def __gt__(self, o: Any) -> Any:
-        return self.get() > o
-
-    def __ge__(self, o: Any) -> Any:
-        return self.get() >= o
-
-    def __eq__(self, o: Any) -> Any:  # type: ignore[override]
-        return self.get() == o
-
-    def __ne__(self, o: Any) -> Any:  # type: ignore[override]
-        return self.get() != o
-
-    # Defining __eq__ would otherwise make instances unhashable; keep identity
-    # hashing so distributed values can be dict keys and set members.
-    __hash__ = object.__hash__
-
-    # -- unary --------------------------------------------------------------
-    def __neg__(self) -> Any:
-        return -self.get()
-
-    def __pos__(self) -> Any:
-        return +self.get()
-
-    def __invert__(self) -> Any:
-        return ~self.get()
-
-    def __abs__(self) -> Any:
-        return abs(self.get())
-
-    # -- container protocol -------------------------------------------------
-    def __getitem__(self, key: Any) -> Any:
-        return self.get()[key]
-
-    def __len__(self) -> int:
-        return len(self.get())
-
-    def __iter__(self) -> Any:
-        return iter(self.get())
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self.get()
-
-    # -- conversions --------------------------------------------------------
-    def __bool__(self) -> bool:
-        return bool(self.get())
-
-    def __float__(self) -> float:
-        return float(self.get())
-
-    def __int__(self) -> int:
-        return int(self.get())
-
-    def __index__(self) -> int:
-        return operator.index(self.get())
-
-    def __complex__(self) -> complex:
-        return complex(self.get())
-
-    def __round__(self, ndigits: Optional[int] = None) -> Any:
-        if ndigits is None:
-            return round(self.get())
-        return round(self.get(), ndigits)
+        return _power(o, self.get(), modulo)
 
     def __format__(self, spec: str) -> str:
         if not spec:
             return str(self)
         return format(self.get(), spec)
 
-    # -- array protocols ----------------------------------------------------
-    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> numpy.ndarray:
-        """NumPy's view of the local component (``numpy.asarray(m)``). Local.
 
-        A device (CuPy) component fails here exactly as ``numpy.asarray`` of
-        the component itself does: no implicit device-to-host copy.
-        """
-        component = self.get()
-        if copy:
-            return numpy.array(component, dtype=dtype, copy=True)
-        if copy is False and _NUMPY2:
-            return numpy.asarray(component, dtype=dtype, copy=False)
-        return numpy.asarray(component, dtype=dtype)
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        """The local component's CUDA array interface (``AttributeError`` if it has none)."""
-        return self.get().__cuda_array_interface__
-
-    @property
-    def __dlpack__(self) -> Callable[..., Any]:
-        """The local component's ``__dlpack__`` method (``AttributeError`` if it has none)."""
-        return self.get().__dlpack__
-
-    @property
-    def __dlpack_device__(self) -> Callable[[], Any]:
-        """The local component's ``__dlpack_device__`` method (``AttributeError`` if none)."""
-        return self.get().__dlpack_device__
+for _name, _op in _BINARY.items():
+    setattr(_Delegate, f"__{_name}__", _forward(_op))
+    setattr(_Delegate, f"__r{_name}__", _reflect(_op))
+for _name, _op in _OTHER.items():
+    setattr(_Delegate, f"__{_name}__", _forward(_op))
+del _name, _op
 
 
 class Mirrored(_Delegate):

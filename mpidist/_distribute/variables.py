@@ -17,7 +17,7 @@ Which operations are collective is said in each docstring.
 from __future__ import annotations
 
 import enum
-import itertools
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -129,7 +129,7 @@ class _OnReadPolicy(_Policy):
             )
         value = var._coerce(value)
         n, rank, xp = var._strategy.num_replicas_in_sync, var._strategy.rank, var._strategy.backend.xp
-        if var.aggregation in (VariableAggregation.SUM, VariableAggregation.NONE):  # NONE reads as SUM
+        if var.aggregation is VariableAggregation.SUM:
             value = _split_exactly(value, n, rank, xp) if _is_integer(var.dtype) else value / n
         var._component[...] = value
         return var
@@ -161,6 +161,7 @@ class DistributedVariable(DistributedValues):
         self._aggregation = aggregation
         self._policy = policy
         self._updates = 0
+        self._warned_not_restorable = False
         register_component(self, strategy.rank, component)
 
     # -- properties (local) -----------------------------------------------------------
@@ -228,7 +229,7 @@ class DistributedVariable(DistributedValues):
                 and value.flags.c_contiguous):
             return value  # the common case, kept short
         if isinstance(value, DistributedValues):
-            value = value.get()
+            value = value.get(self._strategy.rank)
         array = self._strategy.backend.asarray(value)
         try:
             fits = np.broadcast_shapes(tuple(array.shape), self.shape) == self.shape
@@ -260,6 +261,11 @@ class MirroredVariable(DistributedVariable, Mirrored):
 
     Python operators, attribute access and ``numpy.asarray`` act on the local
     component, as for :class:`~mpidist.Mirrored`.
+
+    In replica context ``assign_add(c)`` with a plain constant ``c`` (the same
+    on every rank) adds ``N * c`` under ``SUM`` aggregation: every replica's
+    ``c`` is summed. Use ``MEAN`` or ``ONLY_FIRST_REPLICA`` for updates that
+    every replica computes alike.
     """
 
 
@@ -271,14 +277,40 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
     - Cross-replica context: ``read_value()``/``numpy()`` are collective and
       return the ``SUM`` or ``MEAN`` of all components (``ONLY_FIRST_REPLICA``:
       replica 0's; ``NONE`` reads as ``SUM``). ``assign(x)`` is local and sets
-      every component to ``x / N`` for ``SUM`` and ``NONE`` (integers: integer
-      shares that add up to ``x`` exactly) and to ``x`` otherwise, so the value
-      reads back as ``x``; ``assign_add`` and
-      ``assign_sub`` raise ``RuntimeError``.
+      every component to ``x / N`` for ``SUM`` (integers: integer shares that
+      add up to ``x`` exactly), so the value reads back as ``x``, and to ``x``
+      unchanged otherwise (``NONE`` then reads back as ``N * x``);
+      ``assign_add`` and ``assign_sub`` raise ``RuntimeError``.
+    - Conversion (``numpy.asarray(v)``, the CUDA array interface, DLPack) is
+      never collective: in replica context, or outside any strategy scope, it
+      gives the local component; in cross-replica context it raises
+      ``TypeError`` (use ``read_value()`` or ``strategy.read_var(v)``, which
+      are collective).
     """
 
+    def _convertible(self) -> Any:
+        if in_cross_replica_context():
+            raise TypeError(
+                f"rank {self._strategy.rank}: cannot convert SyncOnReadVariable {self._name!r} to an array in "
+                "cross-replica context: its value there is the reduction of all replicas' components, which "
+                "needs every rank. Call v.read_value() or strategy.read_var(v) (collective) on every rank, or "
+                "convert inside strategy.run for this replica's component"
+            )
+        return self._component
 
-_names = itertools.count()
+    def warn_if_not_restorable(self) -> None:
+        """Local: warn once that a saved ``NONE`` variable does not restore to the value it had.
+
+        Saving stores the ``SUM`` of the components; restoring assigns that
+        value unchanged to every component, so it then reads back ``N`` times
+        larger.
+        """
+        if self._aggregation is VariableAggregation.NONE and not self._warned_not_restorable:
+            self._warned_not_restorable = True
+            warnings.warn(
+                f"rank {self._strategy.rank}: SyncOnReadVariable {self._name!r} has aggregation NONE: it is saved "
+                "as the SUM of its components but restored by assigning that sum to every component, so it does "
+                "not round-trip; give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA", UserWarning, stacklevel=3)
 
 
 def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
@@ -308,7 +340,7 @@ def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
         initial_value = to_host(initial_value)
     component = strategy.backend.xp.array(initial_value, dtype=dtype, order="C", copy=True)
     if name is None:
-        name = f"Variable_{next(_names)}"
+        name = strategy.extended.default_name()
     if aggregation is VariableAggregation.MEAN and _is_integer(component.dtype):
         raise ValueError(f"rank {strategy.rank}: variable {name!r} has integer dtype {component.dtype}: MEAN "
                          "aggregation would truncate; use a floating dtype or SUM aggregation")

@@ -8,6 +8,7 @@ Everything here is local.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -108,7 +109,7 @@ class ArrayDataset:
         check_remainder(remainder)
         self._arrays = arrays
         self._leaves = leaves
-        pack = _packer(arrays)
+        pack = functools.partial(pack_sequence_as, arrays)
         self._pack = pack
         self._pack_masked = lambda leaves: (pack(leaves[:-1]), leaves[-1])
         self._n = paths[0][1]
@@ -191,20 +192,6 @@ class ArrayDataset:
         if width is None:
             return Chunk(advances, pack=self._pack, leaves=leaves, bounds=bounds)
         return Chunk(advances, pack=self._pack_masked, leaves=leaves + [np.concatenate(masks)], bounds=bounds)
-
-
-def _packer(structure: Any) -> Callable[[Sequence[Any]], Any]:
-    """A fast ``pack_sequence_as(structure, leaves)`` for flat structures (a leaf, tuple, list, dict)."""
-    if not isinstance(structure, (list, tuple, dict)):
-        return lambda leaves: leaves[0]
-    children = structure.values() if isinstance(structure, dict) else structure
-    if any(isinstance(c, (list, tuple, dict)) for c in children) or type(structure) not in (tuple, list, dict):
-        return lambda leaves: pack_sequence_as(structure, leaves)
-    if isinstance(structure, dict):
-        slots = pack_sequence_as(structure, range(len(structure)))  # key -> its position among the leaves
-        return lambda leaves: {key: leaves[i] for key, i in slots.items()}
-    kind = type(structure)
-    return lambda leaves: kind(leaves)
 
 
 def _read_only(view: Any) -> Any:

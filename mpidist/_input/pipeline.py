@@ -48,12 +48,11 @@ import collections
 import collections.abc
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
 from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext, Chunk
-from mpidist._distribute.nest import map_structure
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._input.sharding import (
     SHARD_POLICIES,
@@ -64,9 +63,10 @@ from mpidist._input.sharding import (
     per_replica_batch_size,
 )
 from mpidist._input.prefetch import Converter, Prefetcher, wrap
-from mpidist._distribute.values import DistributedValues, PerReplica
+from mpidist._distribute.values import select_replica
 
 if TYPE_CHECKING:
+    from mpidist._distribute.extended import AnyReduceOp
     from mpidist._distribute.strategy import MPIStrategy
 
 # ArrayDataset, FileDataset and InputContext are re-exported: this module is the input API.
@@ -546,32 +546,36 @@ class MultiStepContext:
             out, the same number on every rank.
     """
 
-    def __init__(self) -> None:
-        self._outputs: dict[str, tuple[Any, Optional[ReduceOp]]] = {}
+    def __init__(self, strategy: "MPIStrategy") -> None:
+        self._strategy = strategy
+        self._outputs: dict[str, tuple[Any, Optional["AnyReduceOp"]]] = {}
         self.last_step_outputs: dict[str, Any] = {}
         self.non_tensor_outputs: dict[str, Any] = {}
         self.steps_run = 0
 
-    def set_last_step_output(self, name: str, output: Any, reduce_op: Union[ReduceOp, str, None] = None) -> None:
+    def set_last_step_output(self, name: str, output: Any, reduce_op: Optional["AnyReduceOp"] = None) -> None:
         """Record ``output`` (a nest of arrays or numbers) under ``name``. Local.
 
-        Every rank must record the same names: they are reduced together
-        after the last step.
+        ``reduce_op`` is what ``strategy.reduce`` accepts (a ``ReduceOp``, a
+        ``VariableAggregation`` or a name of either), checked here. Every
+        rank must record the same names: they are reduced together after the
+        last step.
         """
-        local = map_structure(lambda x: x.get() if isinstance(x, DistributedValues) else x, output)
-        self._outputs[name] = (local, None if reduce_op is None else ReduceOp.of(reduce_op))
+        if reduce_op is not None:
+            self._strategy.extended.reduce_op(reduce_op)
+        local = select_replica(None, output)
+        self._outputs[name] = (local, reduce_op)
 
     def set_non_tensor_output(self, name: str, output: Any) -> None:
         """Record any object under ``name`` in ``non_tensor_outputs``, unreduced. Local."""
         self.non_tensor_outputs[name] = output
 
-    def _collect(self, strategy: "MPIStrategy") -> None:
+    def _collect(self) -> None:
         """Collective when any output has a reduce op: reduce the outputs in name order."""
-        rank = strategy.rank
         for name in sorted(self._outputs):
             value, op = self._outputs[name]
-            self.last_step_outputs[name] = (map_structure(lambda x: PerReplica({rank: x}), value) if op is None
-                                            else strategy.reduce(op, value))
+            self.last_step_outputs[name] = (wrap(self._strategy.rank, value) if op is None
+                                            else self._strategy.reduce(op, value))
 
     def __repr__(self) -> str:
         return (f"<MultiStepContext steps_run={self.steps_run} last_step_outputs={sorted(self._outputs)} "
@@ -594,7 +598,7 @@ def run_steps_on_dataset(strategy: "MPIStrategy", fn: Callable[[MultiStepContext
     if isinstance(iterator, DistributedDataset) or not hasattr(iterator, "__next__"):
         raise TypeError(f"run_steps_on_dataset needs an iterator, got {type(iterator).__name__}; pass "
                         "iter(distributed_dataset) and reuse it across calls")
-    ctx = MultiStepContext()
+    ctx = MultiStepContext(strategy)
     for _ in range(iterations):
         try:
             inputs = next(iterator)
@@ -602,5 +606,5 @@ def run_steps_on_dataset(strategy: "MPIStrategy", fn: Callable[[MultiStepContext
             break
         strategy.run(fn, args=(ctx, inputs))
         ctx.steps_run += 1
-    ctx._collect(strategy)
+    ctx._collect()
     return ctx

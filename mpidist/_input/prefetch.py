@@ -13,7 +13,6 @@ to other ranks.
 """
 from __future__ import annotations
 
-import numbers
 import queue
 import threading
 import weakref
@@ -23,15 +22,10 @@ import numpy as np
 
 from mpidist._comm.backend import DeviceStager
 from mpidist._input.datasets import Chunk
-from mpidist._distribute.nest import map_structure
+from mpidist._distribute.nest import is_number, map_structure
 from mpidist._distribute.values import PerReplica
 
 __all__ = ["Converter", "Prefetcher", "wrap"]
-
-
-def _is_number(x: Any) -> bool:
-    """Numbers become 0-d arrays of the backend; ``bool`` stays a flag."""
-    return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, bool)
 
 
 class Converter:
@@ -56,7 +50,7 @@ class Converter:
 
     def prepare(self, leaf: Any) -> Any:
         """Producer side: start a host array's (or number's) copy to the device; other leaves pass."""
-        if self._stager is not None and (isinstance(leaf, np.ndarray) or _is_number(leaf)):
+        if self._stager is not None and (isinstance(leaf, np.ndarray) or is_number(leaf)):
             return _Staged(self._stager.start(np.asarray(leaf)))
         return leaf
 
@@ -64,25 +58,13 @@ class Converter:
         """Consumer side: the device array of a started copy (the current stream waits for it)."""
         if isinstance(leaf, _Staged):
             return self._stager.finish(leaf.token)
-        if _is_number(leaf):
+        if is_number(leaf):
             return self._backend.asarray(leaf)
         return leaf
 
 
-_NODES = (list, tuple, dict)
-
-
 def wrap(rank: int, element: Any) -> Any:
-    """``element`` with every leaf wrapped as ``PerReplica({rank: leaf})`` (flat nests without map_structure)."""
-    kind = type(element)
-    if kind is tuple or kind is list:
-        if not any(isinstance(c, _NODES) for c in element):
-            return kind(PerReplica({rank: c}) for c in element)
-    elif kind is dict:
-        if not any(isinstance(c, _NODES) for c in element.values()):
-            return {key: PerReplica({rank: c}) for key, c in element.items()}
-    elif not isinstance(element, _NODES):
-        return PerReplica({rank: element})
+    """``element`` with every leaf wrapped as ``PerReplica({rank: leaf})``."""
     return map_structure(lambda x: PerReplica({rank: x}), element)
 
 
