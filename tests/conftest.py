@@ -1,7 +1,11 @@
 """Shared pytest configuration for the mpidist tests.
 
 - ``comm`` fixture: ``MPI.COMM_WORLD`` (mpi4py is imported on first use, not here).
-- ``@pytest.mark.gpu``: skipped unless CuPy imports and sees a CUDA device.
+- ``@pytest.mark.gpu``: skipped unless CuPy imports and sees a CUDA device. With
+  ``MPIDIST_TEST_DEVICE=standin`` the CPU stand-in for CuPy in ``tests/standin/`` is imported as
+  ``cupy`` instead (it refuses to load next to the real CuPy); every gpu test then also checks
+  that no device buffer reached MPI unsynchronised and nothing was converted to the host implicitly
+  (the ``device_ledger`` fixture gives the stand-in's copy counters).
 - Header line: MPI library, rank and size, so each rank's report says where it comes from.
 - Hypothesis: no example database, its other files in a per-user directory under the
   system's temporary directory (no ``.hypothesis/`` left behind), no deadline (ranks share cores), and under ``--with-mpi``
@@ -10,9 +14,17 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
+
+TEST_DEVICE = os.environ.get("MPIDIST_TEST_DEVICE", "")
+if TEST_DEVICE not in ("", "cupy", "standin"):
+    raise pytest.UsageError(f"MPIDIST_TEST_DEVICE={TEST_DEVICE!r}: expected 'standin' (the CPU stand-in "
+                            "for CuPy in tests/standin/) or 'cupy' (the installed CuPy, the default)")
+if TEST_DEVICE == "standin":  # before any test module imports cupy
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin"))
 
 
 def _mpi_description() -> str:
@@ -61,6 +73,8 @@ def _gpu_unavailable_reason() -> str | None:
     try:
         import cupy
     except ImportError as exc:
+        if TEST_DEVICE == "standin":  # asked for: never skip silently
+            raise pytest.UsageError(f"MPIDIST_TEST_DEVICE=standin: {exc}") from exc
         return f"CuPy is not importable ({exc})"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
@@ -80,6 +94,38 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"gpu test: {reason}")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+def _standin_ledger():
+    """The CuPy stand-in's ledger, or None with the real CuPy."""
+    if TEST_DEVICE != "standin":
+        return None
+    from cupy._ledger import LEDGER
+
+    return LEDGER
+
+
+@pytest.fixture(autouse=True)
+def _device_buffers_checked(request):
+    """gpu tests on the stand-in: no unsynchronised device buffer reached MPI, no implicit host copy."""
+    ledger = _standin_ledger() if request.node.get_closest_marker("gpu") is not None else None
+    if ledger is None:
+        yield
+        return
+    ledger.reset()
+    yield
+    assert ledger.violations == [], "device buffers read before their stream was synchronised"
+    assert ledger.implicit == [], "device arrays converted to host arrays implicitly"
+
+
+@pytest.fixture
+def device_ledger():
+    """The stand-in's counters of host/device copies (reset now); skips with the real CuPy."""
+    ledger = _standin_ledger()
+    if ledger is None:
+        pytest.skip("counts host/device copies: needs the CuPy stand-in (MPIDIST_TEST_DEVICE=standin)")
+    ledger.reset()
+    return ledger
 
 
 @pytest.fixture(scope="session")

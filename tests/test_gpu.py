@@ -1,40 +1,109 @@
-"""Device-buffer paths of the Communicator: CuPy arrays, host staging and CUDA-aware MPI.
+"""Device-buffer paths: CuPy arrays, host staging and CUDA-aware MPI.
 
-These run only where CuPy sees a CUDA device (``-m gpu``); the CPU suite
-covers the same collectives with NumPy arrays. Every rank makes the same
-calls in the same order.
+These run where CuPy sees a CUDA device (``-m gpu``), or on the CPU stand-in for
+CuPy (``MPIDIST_TEST_DEVICE=standin``, see tests/standin/README.md). The
+transfer path follows the run's ``MPIDIST_CUDA_AWARE``: ``1`` hands device
+buffers to MPI, ``0`` stages them through pinned host memory, ``auto`` asks
+the MPI library. On the stand-in every test also checks (tests/conftest.py)
+that no device buffer reached MPI before its stream was synchronised and that
+nothing was converted to the host implicitly; the tests taking
+``device_ledger`` count the copies between host and device of each path.
+
+Copies between host and device per call, when staged (none when CUDA-aware):
+allreduce, broadcast, one fused bucket or piece of ``reduce_apply``: one each
+way; allgather and reduce_scatter: the input and the output buffer to the
+host, the output back. Every rank makes the same calls in the same order.
 """
 from __future__ import annotations
+
+import logging
+import os
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from arrays import assert_equal
+import mpidist as md
+from arrays import assert_close, assert_equal
+from mpidist._comm import cuda_aware as cuda_aware_module
+from mpidist._comm.backend import Backend
 from mpidist._comm.communicator import Communicator
+from mpidist._comm.cuda_aware import decide_cuda_aware, library_cuda_support
 from mpidist._options import Options
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 
+SETTING = os.environ.get("MPIDIST_CUDA_AWARE", "auto")
 
-@pytest.fixture(scope="module", params=["0", "auto"])
-def comm(request):
-    """A GPU communicator that stages through host memory ("0") or detects CUDA-awareness."""
-    c = Communicator(MPI.COMM_WORLD, Options(device="gpu", cuda_aware=request.param, pipeline_bytes=4096))
+
+@pytest.fixture(scope="module")
+def comm():
+    """A GPU communicator whose transfer path follows ``MPIDIST_CUDA_AWARE``."""
+    c = Communicator(MPI.COMM_WORLD, Options.resolve(device="gpu", pipeline_bytes=4096))
     yield c
     c.free()
 
 
+@pytest.fixture(scope="module")
+def strategy():
+    s = md.MPIStrategy(device="gpu", pipeline_bytes=4096)
+    yield s
+    s.free()
+
+
+def staged_copies(comm, h2d, d2h):
+    """The copies a path makes: as given when staged, none when MPI takes device buffers."""
+    return (0, 0) if comm.cuda_aware else (h2d, d2h)
+
+
+def assert_copies(ledger, comm, h2d, d2h):
+    assert ledger.copies() == staged_copies(comm, h2d, d2h), ledger.snapshot()
+    if comm.cuda_aware:
+        assert ledger.mpi_reads > 0  # MPI was really handed the device buffers
+    else:
+        assert ledger.mpi_reads == 0  # MPI only ever saw host buffers
+
+
+# -- binding and the transfer decision ---------------------------------------------------------
 def test_rank_is_bound_to_its_node_local_gpu(comm):
     import cupy
 
     assert comm.backend.is_gpu and comm.backend.xp is cupy
     assert comm.backend.device_id == comm.local_rank % cupy.cuda.runtime.getDeviceCount()
     assert cupy.cuda.Device().id == comm.backend.device_id
-    if comm.options.cuda_aware == "0":
-        assert comm.cuda_aware is False
+    assert cupy.full(2, 1.0).device.id == comm.backend.device_id
 
 
+def test_transfer_path_follows_the_setting(comm):
+    decision = decide_cuda_aware(MPI.COMM_WORLD, comm.backend, SETTING)
+    assert comm.cuda_aware is decision.enabled
+    if SETTING in ("0", "1"):
+        assert decision.enabled is (SETTING == "1") and decision.source == "setting"
+        assert f"cuda_aware={SETTING!r}" in decision.reason
+    else:
+        supported = library_cuda_support()
+        assert decision.source == ("self-test" if supported else "query")
+        if not supported:
+            assert decision.enabled is False
+    host = decide_cuda_aware(MPI.COMM_WORLD, Backend.select("cpu"), "1")
+    assert host.enabled is False and host.source == "host"
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_rank_zero_reports_the_transfer_path_once(comm, caplog, setting):
+    cuda_aware_module._reported.clear()
+    with caplog.at_level(logging.INFO, logger="mpidist.comm"):
+        for _ in range(2):
+            assert cuda_aware_module.resolve_cuda_aware(comm.mpi_comm, comm.backend, setting) is (setting == "1")
+    lines = [r.getMessage() for r in caplog.records if r.name == "mpidist.comm"]
+    if comm.rank == 0:
+        path = "go to MPI directly (CUDA-aware)" if setting == "1" else "staged through pinned host memory"
+        assert len(lines) == 1 and path in lines[0] and f"cuda_aware={setting!r}" in lines[0]
+    else:
+        assert lines == []
+
+
+# -- collectives on device arrays ------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "complex64"])
 @pytest.mark.parametrize("mode", ["new", "inplace", "nonblocking"])
 def test_device_allreduce(comm, dtype, mode):
@@ -68,3 +137,159 @@ def test_device_broadcast_allgather_reduce_scatter(comm):
         rows = 2 * n
         block = comm.reduce_scatter(cupy.ones((rows, 3)), "mean")
         assert_equal(block, np.ones((2, 3)))
+
+
+@pytest.mark.parametrize("elements", [16, 1000, 5000])  # one piece, the whole pipeline piece, several pieces
+@pytest.mark.parametrize("mode", ["new", "inplace", "nonblocking"])
+def test_allreduce_copies(comm, device_ledger, elements, mode):
+    import cupy
+
+    n, r = comm.size, comm.rank
+    for _ in range(2):
+        mine = cupy.full(elements, r + 1, dtype=cupy.float32)
+        device_ledger.reset()
+        if mode == "inplace":
+            out = comm.allreduce(mine, "mean", inplace=True)
+        elif mode == "nonblocking":
+            out = comm.iallreduce(mine, "mean").wait()
+        else:
+            out = comm.allreduce(mine, "mean")
+        assert_copies(device_ledger, comm, h2d=1, d2h=1)
+        assert_close(out, np.full(elements, (n + 1) / 2, np.float32))
+
+
+def test_broadcast_allgather_reduce_scatter_copies(comm, device_ledger):
+    import cupy
+
+    n, r = comm.size, comm.rank
+    x = cupy.full(7, r, dtype=cupy.int32)
+    device_ledger.reset()
+    comm.broadcast(x, root=0)
+    assert_copies(device_ledger, comm, h2d=1, d2h=1)
+    device_ledger.reset()
+    g = comm.allgather(x)
+    assert_copies(device_ledger, comm, h2d=1, d2h=2)
+    device_ledger.reset()
+    block = comm.reduce_scatter(cupy.ones((n, 3), dtype=cupy.float64))
+    assert_copies(device_ledger, comm, h2d=1, d2h=2)
+    assert_equal(g, np.zeros(7 * n, np.int32)) and assert_equal(block, np.full((1, 3), float(n)))
+
+
+@pytest.mark.parametrize("sizes", [[3, 5, 7], [2000, 3, 1500]])  # one bucket; a large array and a bucket
+def test_fused_reduction_copies(comm, device_ledger, sizes):
+    import cupy
+
+    n, r = comm.size, comm.rank
+    arrays = [cupy.full(k, r + 1.0, dtype=cupy.float32) for k in sizes]
+    device_ledger.reset()
+    out = comm.allreduce_many(arrays, "sum")
+    calls = sum(-(-4 * k // 4096) for k in sizes if 4 * k > 4096) + (1 if any(4 * k <= 4096 for k in sizes) else 0)
+    assert_copies(device_ledger, comm, h2d=calls, d2h=calls)
+    for k, o in zip(sizes, out):
+        assert isinstance(o, cupy.ndarray) and o.shape == (k,)
+        assert_equal(o, np.full(k, n * (n + 1) / 2, np.float32))
+    for a in arrays:  # the inputs are left as they were
+        assert_equal(a, np.full(a.size, r + 1.0, np.float32))
+
+
+def test_nonblocking_fused_reduction(comm, device_ledger):
+    import cupy
+
+    n, r = comm.size, comm.rank
+    arrays = [cupy.full(k, r + 1, dtype=cupy.int64) for k in (4, 600)]
+    handle = comm.iallreduce_many(arrays, "max")
+    arrays[0][...] = -1  # the inputs were copied when the call started
+    out = handle.wait()
+    assert_copies(device_ledger, comm, h2d=1, d2h=1)  # one buffer per dtype
+    assert_equal(out[0], np.full(4, n, np.int64)) and assert_equal(out[1], np.full(600, n, np.int64))
+
+
+# -- variables and strategies on the device ----------------------------------------------------------
+def test_mirrored_update_copies(strategy, device_ledger):
+    import cupy
+
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    with strategy.scope():
+        v = md.Variable(cupy.zeros(100, dtype=cupy.float32), name="w", aggregation=md.VariableAggregation.MEAN)
+    assert isinstance(v._component, cupy.ndarray)
+    grad = cupy.full(100, r + 1, dtype=cupy.float32)
+    for step in range(1, 4):
+        device_ledger.reset()
+        strategy.run(lambda: v.assign_add(grad))
+        assert_copies(device_ledger, strategy.communicator, h2d=1, d2h=1)  # one piece per update
+        assert_close(v.read_value(), np.full(100, step * (n + 1) / 2, np.float32))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_batch_update_of_many_variables(device_ledger, flat):
+    import cupy
+
+    s = md.MPIStrategy(device="gpu", flat_variables=flat, pipeline_bytes=4096)
+    try:
+        n, r = s.num_replicas_in_sync, s.rank
+        shapes = [(3, 4), (700,), (5,), (2000,)]
+        with s.scope():
+            variables = [md.Variable(cupy.zeros(shape, dtype=cupy.float32), name=f"v{i}",
+                                     aggregation=md.VariableAggregation.SUM) for i, shape in enumerate(shapes)]
+        grads = s.flat_zeros_like(variables) if flat else [cupy.zeros(shape, cupy.float32) for shape in shapes]
+        for g in grads:
+            g[...] = r + 1
+        device_ledger.reset()
+        s.run(lambda: s.batch_update(list(zip(variables, grads)), in_place=True))
+        h2d, d2h = device_ledger.copies()
+        if s.communicator.cuda_aware:
+            assert (h2d, d2h) == (0, 0) and device_ledger.mpi_reads > 0
+        else:  # one copy each way per MPI call: flat spans in pieces, others in buckets
+            total = sum(int(np.prod(shape)) for shape in shapes) * 4
+            assert h2d == d2h and 1 <= h2d <= -(-total // 4096) + len(shapes)
+        for v, g in zip(variables, grads):
+            assert_equal(v.read_value(), np.full(v.shape, n * (n + 1) / 2, np.float32))
+            assert_equal(g, np.full(v.shape, n * (n + 1) / 2, np.float32))  # in_place: the sums
+    finally:
+        s.free()
+
+
+def test_sync_on_read_variable_on_the_device(strategy, device_ledger):
+    import cupy
+
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    with strategy.scope():
+        v = md.Variable(cupy.zeros(3, dtype=cupy.float64), name="count",
+                        synchronization=md.VariableSynchronization.ON_READ, aggregation=md.VariableAggregation.SUM)
+    strategy.run(lambda: v.assign_add(cupy.full(3, r + 1.0)))
+    device_ledger.reset()
+    total = strategy.read_var(v)
+    assert_copies(device_ledger, strategy.communicator, h2d=1, d2h=1)
+    assert isinstance(total, cupy.ndarray)
+    assert_equal(total, np.full(3, n * (n + 1) / 2))
+
+
+def test_strategy_reduce_and_gather_on_the_device(strategy):
+    import cupy
+
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    value = md.PerReplica({r: cupy.full((2, 3), r + 1.0)})
+    assert_equal(strategy.reduce("sum", value), np.full((2, 3), n * (n + 1) / 2))
+    assert_equal(strategy.reduce("mean", value, axis=0), np.full(3, (n + 1) / 2))
+    many = strategy.reduce("max", [value, md.PerReplica({r: cupy.arange(4) + r})])
+    assert_equal(many[0], np.full((2, 3), float(n))) and assert_equal(many[1], np.arange(4) + n - 1)
+    gathered = strategy.gather(md.PerReplica({r: cupy.full((2, r + 1), r)}), axis=1)
+    assert isinstance(gathered, cupy.ndarray)
+    assert_equal(gathered, np.concatenate([np.full((2, q + 1), q) for q in range(n)], axis=1))
+    assert strategy.check_mirrored([]) == {}
+
+
+def test_exact_metrics_copy_values_and_state_once_per_update(strategy, device_ledger):
+    import cupy
+
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    with strategy.scope():
+        mean = md.Mean()
+    values = cupy.asarray(np.array([0.1, 0.2, 0.3]) * (r + 1))
+    device_ledger.reset()
+    mean.update_state(values)
+    # The exact sum is computed on the host: the values and the state come over once, the state goes back.
+    assert device_ledger.copies() == (1, 2)
+    result = mean.result()
+    want = sum(0.6 * (q + 1) for q in range(n)) / (3 * n)
+    assert abs(float(result) - want) < 1e-15

@@ -64,6 +64,6 @@ def test_cpu_backend_and_helpers():
 def test_gpu_request_without_a_gpu_says_what_to_install():
     if cupy_or_none() is not None:
         pytest.skip("a GPU is present: device='gpu' succeeds here (covered by -m gpu tests)")
-    with pytest.raises(RuntimeError, match=r"mpidist\[cuda\]"):
+    with pytest.raises(RuntimeError, match=r"mpidist\[cuda12\]' or 'mpidist\[cuda13\]"):
         Backend.select("gpu")
     assert Backend.select("auto").xp is np

@@ -34,8 +34,12 @@ def cupy_or_none() -> Optional[ModuleType]:
 
 
 def is_device_array(array: Any) -> bool:
-    """True for arrays in GPU memory (anything exposing ``__cuda_array_interface__``)."""
-    return hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray)
+    """True for arrays in GPU memory (those whose type exposes ``__cuda_array_interface__``).
+
+    Looks at the type, not the instance: reading the interface of an instance
+    is how consumers such as MPI take a device buffer, and costs a dict per call.
+    """
+    return hasattr(type(array), "__cuda_array_interface__") and not isinstance(array, np.ndarray)
 
 
 def data_pointer(array: Any) -> int:
@@ -95,7 +99,8 @@ class Backend:
                 raise RuntimeError(
                     "device='gpu' needs CuPy and a visible CUDA device "
                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
-                    "install the 'cuda' extra (pip install 'mpidist[cuda]') or use device='cpu'"
+                    "install CuPy for your CUDA version (pip install 'mpidist[cuda12]' or 'mpidist[cuda13]') "
+                    "or use device='cpu'"
                 )
             return cls(np)
         count = cupy.cuda.runtime.getDeviceCount()

@@ -1,0 +1,3 @@
+"""Stand-in ``cupy.cuda.nccl``: NCCL is not available."""
+
+available = False
