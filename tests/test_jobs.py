@@ -1,8 +1,8 @@
 """The scripts in ``jobs/`` that run without Slurm, and what every batch script must contain.
 
 ``tests/test_slurm.py`` submits the batch scripts to a real Slurm; here, serially: shell syntax,
-the world-size check and the one-rank-per-GPU layout of each batch script, and ``jobs/mpirun.sh``
-under the MPI of this environment.
+the shared launch logic of ``jobs/launch.sh`` (the world-size check, the env files), the
+one-rank-per-GPU layout of each batch script, and ``jobs/mpirun.sh`` under the MPI of this environment.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import run_command
+from mpirun import read_env_file, run_command
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 BATCH = sorted(JOBS.glob("*.sbatch"))
@@ -30,7 +30,7 @@ def _directives(script: Path) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("script", [*BATCH, JOBS / "mpirun.sh", *sorted((JOBS / "testing").glob("*.sh"))],
+@pytest.mark.parametrize("script", [*BATCH, JOBS / "mpirun.sh", JOBS / "launch.sh", *sorted((JOBS / "testing").glob("*.sh"))],
                          ids=lambda p: p.name)
 def test_shell_syntax(script):
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=TIMEOUT)
@@ -42,14 +42,37 @@ def test_the_batch_scripts_are_there():
 
 
 @pytest.mark.parametrize("script", BATCH, ids=lambda p: p.name)
-def test_batch_script_checks_the_world_size_and_says_what_to_edit(script):
+def test_batch_script_uses_the_shared_launch_and_says_what_to_edit(script):
     text = script.read_text()
-    assert 'doctor --expect-ranks "$ntasks"' in text  # fails loudly on N one-rank worlds
-    assert "SLURM_NTASKS" in text and "exit 1" in text
+    assert 'source "${MPIDIST_JOBS:-${SLURM_SUBMIT_DIR:-.}/jobs}/launch.sh"\nslurm_launch' in text
+    assert '"${launch[@]}" "$python" -m ' in text
     assert "EDIT" in text and "--account" in text and "--partition" in text
     assert "module load" in text and "activate" in text
-    assert "srun --mpi=" in text or 'srun --mpi="$MPIDIST_SRUN_MPI"' in text
+
+
+def test_launch_checks_the_world_size():
+    text = (JOBS / "launch.sh").read_text()
+    assert 'doctor --expect-ranks "$ntasks"' in text  # fails loudly on N one-rank worlds
+    assert "SLURM_NTASKS" in text and "exit 1" in text
+    assert 'srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}"' in text
     assert "SRUN_CPUS_PER_TASK" in text and 'OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK' in text
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_bash_and_python_read_the_env_file_alike(mpi):
+    path = JOBS / f"env.{mpi}"
+    expected = read_env_file(path)
+    clean = {k: v for k, v in os.environ.items() if k not in expected}
+    script = f'source {JOBS / "launch.sh"}; load_mpi_env {mpi}; env -0'
+    result = subprocess.run(["bash", "-c", script], env=clean, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    env = dict(item.split("=", 1) for item in result.stdout.split("\0") if "=" in item)
+    assert {k: env.get(k) for k in expected} == expected
+    if mpi == "openmpi":
+        assert expected["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and expected["OMPI_MCA_btl"] == "^ofi"
+        kept = subprocess.run(["bash", "-c", script], env={**clean, "OMPI_MCA_btl": "tcp,self"},
+                              capture_output=True, text=True, timeout=TIMEOUT).stdout
+        assert "OMPI_MCA_btl=tcp,self\0" in kept  # a variable already set keeps its value
 
 
 @pytest.mark.parametrize("name", ["train.sbatch", "benchmark.sbatch"])
@@ -62,11 +85,11 @@ def test_gpu_scripts_run_one_rank_per_gpu(name):
 def test_mpirun_sh_help():
     result = subprocess.run(["bash", str(JOBS / "mpirun.sh"), "--help"], capture_output=True, text=True,
                             timeout=TIMEOUT)
-    assert result.returncode == 0 and "mpiexec" in result.stdout and "OMPI_ALLOW_RUN_AS_ROOT" in result.stdout
+    assert result.returncode == 0 and "mpiexec" in result.stdout and "env.openmpi" in result.stdout
 
 
 def test_mpirun_sh_finds_the_mpiexec_next_to_python():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_", "MPIEXEC"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_", "MPIEXEC", "MPIDIST_MPIEXEC"))}
     env["PATH"] = "/usr/bin:/bin"  # no mpiexec on PATH: it must be found next to the interpreter
     result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", "2", sys.executable, "-m", "mpidist", "doctor",
                           "--expect-ranks", "2"], TIMEOUT, env=env)

@@ -80,12 +80,18 @@ def test_mpiexec_command(monkeypatch):
     assert mpiexec_command(2, ["prog"]) == ["srun", "--mpi=pmix", "--ntasks", "2", "prog"]
 
 
-@pytest.mark.parametrize("as_root", [False, True])
-def test_mpi_env_allows_root_only_as_root(monkeypatch, as_root):
-    monkeypatch.setattr(mpirun, "_is_root", lambda: as_root)
+def test_mpi_env_adds_the_env_file_of_the_launchers_mpi(monkeypatch):
+    monkeypatch.setattr(mpirun, "mpi_flavour", lambda launcher: "openmpi")
     env = mpi_env({"OMPI_MCA_btl": "self,vader"})
     assert env["OMPI_MCA_btl"] == "self,vader"  # the caller's value wins
     assert env["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe"
-    assert env["PRTE_MCA_hwloc_default_binding_policy"] == "none"
-    assert ("OMPI_ALLOW_RUN_AS_ROOT" in env) == as_root
-    assert ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" in env) == as_root
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    monkeypatch.setattr(mpirun, "mpi_flavour", lambda launcher: None)  # srun, or an unknown launcher
+    assert mpi_env({"A": "1"}) == {"A": "1"}
+
+
+def test_mpi_flavour_of_this_environments_mpiexec():
+    launcher = mpirun.find_mpiexec()[0]
+    if Path(launcher).name not in ("mpiexec", "mpirun"):
+        pytest.skip(f"the launcher is {launcher}, not an MPI library's mpiexec")
+    assert mpirun.mpi_flavour(launcher) in ("openmpi", "mpich"), launcher

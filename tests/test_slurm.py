@@ -11,9 +11,12 @@ virtual environment. The cluster:
 - otherwise the Slurm that ``sbatch`` reaches (extra ``sbatch`` options, such as
   ``--partition`` or ``--account``, come from ``MPIDIST_TEST_SBATCH_ARGS``).
 
-Not root and no Slurm: skipped, with the reason. The jobs run in CPU mode (``MPIDIST_DEVICE=cpu``)
-on 2 tasks of 1 core each; the own cluster declares 2 stand-in GPUs so that the scripts'
-``--gpus-per-task=1`` is granted as written. Every script runs under ``mpiexec`` and under
+Not root and no Slurm: skipped, with the reason, unless the system tests were asked for
+(``MPIDIST_TEST_SYSTEM=1``, which ``tests/run.py --system`` and ``CI=true`` set): then it fails.
+The jobs are submitted from the repository root, as a user would (the scripts read
+``jobs/launch.sh`` from there), and run in CPU mode (``MPIDIST_DEVICE=cpu``) on 2 tasks of 1
+core each; the own cluster declares 2 stand-in GPUs so that the scripts' ``--gpus-per-task=1``
+is granted as written. Every script runs under ``mpiexec`` and under
 ``srun`` with the MPI's plugin (``--mpi=pmix`` for Open MPI, ``--mpi=pmi2`` for MPICH), and a
 wrong plugin must fail the job (N one-rank worlds instead of one N-rank world). All jobs are
 submitted at once and followed with ``scontrol`` until each reaches a final state; every wait
@@ -81,8 +84,10 @@ def cluster():
                                                    *shlex.split(os.environ.get("MPIDIST_TEST_SBATCH_ARGS", ""))])
         return
     if os.geteuid() != 0:
-        pytest.skip("no Slurm answers here and bringing up a test cluster needs root "
-                    "(run as root, or on a machine with Slurm: see jobs/testing/slurm-up.sh)")
+        asked = os.environ.get("MPIDIST_TEST_SYSTEM") == "1"  # then a missing cluster is a failure
+        (pytest.fail if asked else pytest.skip)("no Slurm answers here and bringing up a test cluster needs "
+                                                "root (run as root, or on a machine with Slurm: see "
+                                                "jobs/testing/slurm-up.sh)")
     env["MPIDIST_SLURM_OWNER_PID"] = str(os.getpid())  # its watchdog tears down if we are killed
     env["MPIDIST_SLURM_GPUS"] = str(TASKS)
     start = time.monotonic()
@@ -181,15 +186,16 @@ def finished(cluster, tmp_path_factory):
     try:
         for job in jobs:
             env = dict(cluster.env, MPIDIST_VENV=sys.prefix, MPIDIST_LAUNCHER=job.launcher, MPIDIST_DEVICE="cpu",
-                       OMPI_MCA_btl="^ofi", PYTHONDONTWRITEBYTECODE="1", **job.env)
-            if "MPIDIST_SRUN_MPI" not in job.env:
-                env.pop("MPIDIST_SRUN_MPI", None)  # let the script pick the plugin
+                       PYTHONDONTWRITEBYTECODE="1", **job.env)
+            for name in ("MPIDIST_SRUN_MPI", "MPIDIST_MPIEXEC", "MPIDIST_JOBS"):
+                if name not in job.env:
+                    env.pop(name, None)  # the scripts pick the plugin and find mpiexec and launch.sh
             dependency = ([f"--dependency=afterok:{by_name[job.after].job_id}", "--kill-on-invalid-dep=yes"]
                           if job.after else [])
             command = ["sbatch", "--parsable", f"--job-name=mpidist-test-{job.name}", "--time=5",
                        f"--output={workdir}/{job.name}-%j.out", *_sbatch_options(job), *cluster.sbatch_args,
                        *dependency, JOBS / job.script, *job.args]
-            result = _run(command, 60, env=env, cwd=workdir)
+            result = _run(command, 60, env=env, cwd=REPO)
             assert result.returncode == 0, f"{shlex.join(map(str, command))}\n{result.stdout}{result.stderr}"
             job.job_id = result.stdout.strip().split(";")[0]
         pending = {job.job_id: job for job in jobs}

