@@ -208,3 +208,55 @@ def test_strategy_works_in_a_one_rank_world():
     assert_equal(v.numpy(), [2.0, 2.0])
     assert s.num_replicas_in_sync == 1
     s.free()
+
+
+def test_values_holding_every_replicas_component_use_this_ranks(strategy):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    everyone = PerReplica({q: np.array([q + 1.0, 10.0 * q]) for q in range(n)})  # built alike on every rank
+
+    def fn(x):
+        assert_equal(x, [r + 1.0, 10.0 * r])  # run unwrapped this rank's component
+        assert_equal(everyone.get(), [r + 1.0, 10.0 * r])  # get() without an id: the current replica's
+        return md.get_replica_context().all_reduce("sum", everyone)
+
+    with strategy.scope():
+        total = strategy.run(fn, args=(everyone,))
+        expected = [n * (n + 1) / 2, 10.0 * n * (n - 1) / 2]
+        assert_equal(total.get(), expected)
+        assert_equal(strategy.reduce("sum", everyone), expected)
+        assert_equal(strategy.gather(PerReplica({q: np.full(1, q) for q in range(n)})), np.arange(n))
+        if n > 1:
+            with pytest.raises(ValueError, match="pass replica_id"):
+                everyone.get()  # cross-replica context: no current replica
+
+
+@pytest.mark.parametrize("op", [md.VariableAggregation.ONLY_FIRST_REPLICA, "only_first_replica", "ONLY_FIRST_REPLICA"])
+def test_reduce_accepts_only_first_replica(strategy, op):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    value = PerReplica({r: np.array([r + 1.0, -2.0 * r])})
+    with strategy.scope():
+        for _ in range(2):
+            first = strategy.reduce(op, value)
+            assert_equal(first, [1.0, 0.0])
+            assert_equal(value.get(), [r + 1.0, -2.0 * r])  # the argument is left as it was
+            nest = strategy.reduce(op, {"a": value, "b": [np.int64(r + 5)]})
+            assert_equal(nest["a"], [1.0, 0.0]) and int(nest["b"][0]) == 5
+            assert_equal(strategy.reduce_async(op, [value, np.array(r)]).wait()[0], [1.0, 0.0])
+            in_replica = strategy.run(lambda: md.get_replica_context().all_reduce(op, np.array(float(r + 7))))
+            assert float(in_replica.get()) == 7.0
+
+
+def test_reduce_accepts_sum_and_mean_aggregations_and_refuses_none(strategy):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    value = PerReplica({r: np.array([float(r)])})
+    with strategy.scope():
+        assert_equal(strategy.reduce(md.VariableAggregation.SUM, value), [n * (n - 1) / 2])
+        assert_close(strategy.reduce(md.VariableAggregation.MEAN, value), [(n - 1) / 2])
+        assert_equal(strategy.reduce_async(md.VariableAggregation.MEAN, value).wait(), [(n - 1) / 2])
+        for none in (md.VariableAggregation.NONE, "none"):
+            with pytest.raises(ValueError, match=rf"rank {r}: VariableAggregation.NONE"):
+                strategy.reduce(none, value)
+        with pytest.raises(ValueError, match="unknown reduce op 'median'"):
+            strategy.reduce("median", value)
+        with pytest.raises(ValueError, match="no axis"):
+            strategy.reduce("only_first_replica", value, axis=0)

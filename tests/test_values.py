@@ -1,6 +1,7 @@
 """Serial tests of mpidist._distribute.values (no MPI): distributed values, regroup, select_replica."""
 import copy
 import gc
+import re
 import operator
 import pickle
 from collections import namedtuple
@@ -588,3 +589,56 @@ def test_module_all():
     )
     for name in _values.__all__:
         assert getattr(_values, name).__doc__
+
+
+# --------------------------------------------------------------------------
+# get() in replica context, conversion of PerReplica
+# --------------------------------------------------------------------------
+
+
+class _StandInStrategy:
+    """What the context stack needs of a strategy: an identity."""
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_get_without_id_in_replica_context_is_the_current_replicas(size):
+    from mpidist._distribute.context import ReplicaContext, enter_context
+
+    strategy = _StandInStrategy()
+    pr = PerReplica({q: np.full(2, 10.0 * q) for q in range(size)})
+    m = Mirrored({q: np.arange(3.0) + q for q in range(size)})
+    for replica in range(size):
+        with enter_context(strategy, ReplicaContext(strategy, replica)):
+            np.testing.assert_array_equal(pr.get(), np.full(2, 10.0 * replica))
+            np.testing.assert_array_equal(m + 1, np.arange(3.0) + replica + 1)
+            np.testing.assert_array_equal(np.asarray(pr), np.full(2, 10.0 * replica))
+            assert select_replica(None, {"x": pr})["x"] is pr.get(replica)
+        with enter_context(strategy):  # cross-replica context: no current replica
+            if size > 1:
+                with pytest.raises(ValueError, match=re.escape(f"replicas {list(range(size))}") + ".*pass replica_id"):
+                    pr.get()
+            else:
+                assert pr.get() is pr.get(0)
+    with enter_context(strategy, ReplicaContext(strategy, size)):  # a replica this value has no component of
+        if size > 1:
+            with pytest.raises(ValueError, match=rf"replica {size} is not local; local replicas: "):
+                pr.get()
+
+
+def test_numpy_asarray_of_per_replica_is_the_local_component():
+    component = np.arange(3.0)
+    pr = PerReplica({2: component})
+    view = np.asarray(pr)
+    assert type(view) is np.ndarray and view.dtype == np.float64 and np.shares_memory(view, component)
+    assert np.asarray(pr, dtype=np.int8).dtype == np.int8
+    assert not np.shares_memory(np.array(pr, copy=True), component)
+    np.testing.assert_array_equal(np.from_dlpack(pr), component)
+    assert not hasattr(pr, "__cuda_array_interface__")
+    assert PerReplica({0: _DeviceArrayLike()}).__cuda_array_interface__ is _DeviceArrayLike.__cuda_array_interface__
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(PerReplica({0: _DeviceArrayLike()}))
+    with pytest.raises(ValueError, match="pass replica_id"):  # never an object array
+        np.asarray(PerReplica({0: 1.0, 1: 2.0}))
+    assert not hasattr(pr, "shape")  # conversion only: PerReplica is not a delegate
+    with pytest.raises(TypeError):
+        pr + 1
