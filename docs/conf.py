@@ -49,7 +49,7 @@ API_SECTIONS = [
     ("Reductions and options", ("mpidist._comm.reduce_op", "mpidist._options")),
     ("Input", ("mpidist._input.pipeline", "mpidist._input.datasets", "mpidist._input.sharding")),
     ("Metrics", ("mpidist._distribute.metrics",)),
-    ("Checkpoints", ("mpidist._checkpoint.checkpoint", "mpidist._checkpoint.format")),
+    ("Checkpoints", ("mpidist._checkpoint.checkpoint", "mpidist._checkpoint.reader")),
     ("Communicator", ("mpidist._comm.communicator", "mpidist._comm.handle")),
     ("Errors", ("mpidist._errors",)),
 ]
