@@ -95,3 +95,16 @@ def test_mpi_flavour_of_this_environments_mpiexec():
     if Path(launcher).name not in ("mpiexec", "mpirun"):
         pytest.skip(f"the launcher is {launcher}, not an MPI library's mpiexec")
     assert mpirun.mpi_flavour(launcher) in ("openmpi", "mpich"), launcher
+
+
+def test_runner_counts_a_test_failed_on_any_rank(tmp_path):
+    import run  # tests/run.py
+
+    case = '<testcase classname="t" name="{}">{}</testcase>'
+    ranks = [[("a", ""), ("b", ""), ("c", "<skipped/>")], [("a", ""), ("b", "<failure/>"), ("c", "<skipped/>")]]
+    (tmp_path / "junit").mkdir()
+    for rank, cases in enumerate(ranks):
+        body = "".join(case.format(name, child) for name, child in cases)
+        (tmp_path / "junit" / f"mpi-np2.rank{rank}.xml").write_text(f"<testsuites><testsuite>{body}</testsuite></testsuites>")
+    assert run.pytest_counts(tmp_path, "mpi-np2") == {"passed": 1, "failed": 1, "skipped": 1}
+    assert run.pytest_counts(tmp_path, "mpi-np1") == {}
