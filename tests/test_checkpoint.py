@@ -378,3 +378,80 @@ class _HostView:
 
     def numpy(self):
         return self._variable.numpy()
+
+
+# -- mirrored variables whose components diverged ------------------------------------------------
+def diverged_model(strategy) -> dict:
+    """Mirrored variables whose component on rank r is filled with r + 1 (diverged when n > 1)."""
+    r = strategy.rank
+    with strategy.scope():
+        model = {"one": mpidist.Variable(np.zeros(1), name="one"),
+                 "large": mpidist.Variable(np.zeros(1000, np.float32), name="large"),
+                 "same": mpidist.Variable(np.arange(7.0), name="same")}
+    for name in ("one", "large"):
+        model[name].values[0][...] = r + 1
+    return model
+
+
+def test_a_diverged_mirrored_variable_is_saved_as_rank_0s_value(strategy, shared_dir):
+    model = diverged_model(strategy)
+    Checkpoint(**model).save(shared_dir, chunk_bytes=32, check_mirrors=False)
+    arrays = read_checkpoint(shared_dir)
+    np.testing.assert_array_equal(arrays["one"], np.ones(1))
+    np.testing.assert_array_equal(arrays["large"], np.ones(1000, np.float32))
+    np.testing.assert_array_equal(arrays["same"], np.arange(7.0))
+    assert (components(model["large"]) == strategy.rank + 1).all()  # saving changed no component
+    Checkpoint(**model).restore(shared_dir)
+    assert (components(model["one"]) == 1).all() and (components(model["large"]) == 1).all()
+
+
+def test_the_mirror_check_raises_on_every_rank_naming_variables_and_ranks(strategy, shared_dir):
+    n = strategy.num_replicas_in_sync
+    model = diverged_model(strategy)
+    if n == 1:  # one component cannot diverge: the save goes through
+        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+        np.testing.assert_array_equal(read_checkpoint(shared_dir)["large"], np.ones(1000, np.float32))
+        return
+    with pytest.raises(mpidist.MirrorDivergenceError) as info:
+        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+    others = tuple(range(1, n))
+    assert info.value.diverged == {"one": others, "large": others}
+    ranks = "rank 1" if n == 2 else f"ranks 1-{n - 1}"
+    assert f"mirrored variable 'large' differs from rank 0's on {ranks}" in str(info.value)
+    assert f"mirrored variable 'one' differs from rank 0's on {ranks}" in str(info.value)
+    assert "'same'" not in str(info.value)
+    assert not shared_dir.exists() or not list(shared_dir.iterdir())  # nothing was written
+    # only the last rank differs
+    model["one"].values[0][...] = 1.0 if strategy.rank < n - 1 else 5.0
+    model["large"].values[0][...] = 1.0
+    with pytest.raises(mpidist.MirrorDivergenceError, match=f"'one' differs from rank 0's on rank {n - 1} "):
+        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+
+
+# -- files that are not regular files, in a collective restore ------------------------------------------
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink", "manifest-symlink"])
+def test_restore_refuses_other_files_than_regular_ones_on_every_rank(strategy, shared_dir, kind):
+    model = build(strategy, fill=True)
+    Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+    save = shared_dir / "ckpt-000001"
+    if WORLD.rank == 0:
+        weights = next(save.glob("*weights.npy"))
+        target = save / fmt.MANIFEST if kind == "manifest-symlink" else weights
+        outside = shared_dir.parent / "outside"
+        shutil.copy(target, outside)
+        target.unlink()
+        if kind == "fifo":
+            os.mkfifo(target)
+        elif kind == "directory":
+            target.mkdir()
+        else:
+            target.symlink_to(outside)
+    WORLD.Barrier()
+    model = build(strategy, fill=False)
+    expected = {"fifo": "is a FIFO", "directory": "is a directory"}.get(kind, "is a symbolic link")
+    with pytest.raises(mpidist.CheckpointError, match=f"rank 0: .*{expected}, not a regular file") as info:
+        Checkpoint(**model).restore(shared_dir)
+    assert "nothing was modified" in str(info.value)
+    assert (components(model["weights"]) == 0).all() and model["inputs"].position == 0
+    with pytest.raises(mpidist.CheckpointError, match=expected):
+        read_checkpoint(shared_dir)
