@@ -28,7 +28,7 @@ from mpidist._input.pipeline import (
     run_steps_on_dataset,
 )
 from mpidist._distribute.metrics import Accuracy, Mean, Sum
-from mpidist._input.sharding import epoch_order, shard_indices
+from mpidist._input.sharding import batch_plan, epoch_order
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.values import PerReplica
 
@@ -303,6 +303,64 @@ def test_files_shard_by_file_when_every_rank_gets_one(strategy, caplog):
         assert records == []
 
 
+def _drop_warnings(record):
+    return [str(w.message) for w in record if "dropped" in str(w.message)]
+
+
+def test_files_of_unequal_shares_warn_with_the_number_dropped(strategy):
+    r, n = world()
+    contents = {f"f{i}": [(i, j) for j in range(4)] for i in range(10)}  # 10 files of 4 records
+    files = FileDataset(sorted(contents), contents.__getitem__)
+    shares = [4 * len(range(rank, 10, n)) for rank in range(n)]  # at 3 ranks: 16, 12, 12
+    dropped = sum(shares) - n * min(shares)
+    import warnings
+
+    for drop_remainder in (None, True):
+        dist = distribute_dataset(strategy, files, drop_remainder=drop_remainder)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            first = [tuple(int(v.get()) for v in e) for e in dist]
+            second = [tuple(int(v.get()) for v in e) for e in dist]  # once per dataset
+        assert first == second and len(first) == min(shares)
+        messages = _drop_warnings(record)
+        if dropped and drop_remainder is None:
+            assert len(messages) == 1, messages
+            assert f"rank {r}: mpidist dropped {dropped} element(s) of epoch 0" in messages[0]
+            assert "file sharding" in messages[0] and "drop_remainder=True" in messages[0]
+        else:
+            assert messages == []
+
+
+@pytest.mark.parametrize("make", [lambda k: list(range(k)), NoLen])
+def test_element_streams_warn_with_the_number_dropped(strategy, make):
+    r, n = world()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = [int(x.get()) for x in distribute_dataset(strategy, make(3 * n + 2))]
+        quiet = [int(x.get()) for x in distribute_dataset(strategy, make(3 * n + 2), drop_remainder=True)]
+        fn = [int(x.get()) for x in distribute_datasets_from_function(strategy, lambda ctx: make(4 + ctx.input_pipeline_id))]
+    assert got == quiet == [s * n + r for s in range((3 * n + 2) // n)]
+    assert fn == [0, 1, 2, 3]
+    messages = _drop_warnings(record)
+    expected = []
+    if (3 * n + 2) % n:
+        expected.append(f"dropped {(3 * n + 2) % n} element(s)")
+    if n > 1:
+        expected.append(f"dropped {sum(range(n))} element(s)")  # dataset_fn: rank q read q more
+    assert len(messages) == len(expected), messages
+    for message, text in zip(messages, expected):
+        assert text in message and message.startswith(f"rank {r}: ")
+
+
+def test_drop_remainder_choices_are_checked(strategy):
+    with pytest.raises(ValueError, match="remainder='partial' or 'mask'"):
+        distribute_dataset(strategy, range(5), drop_remainder=False)
+    with pytest.raises(ValueError, match="its own remainder="):
+        distribute_dataset(strategy, ArrayDataset(np.arange(4), 2), drop_remainder=True)
+
+
 @pytest.mark.parametrize("policy", ["auto", "element"])
 def test_files_shard_by_element_when_too_few_files(strategy, policy):
     r, n = world()
@@ -408,7 +466,10 @@ def test_run_steps_on_dataset_records_the_last_step(strategy):
         assert isinstance(ctx, MultiStepContext) and not isinstance(x, PerReplica)
         ctx.set_last_step_output("sum", x * 1.0, reduce_op="sum")
         ctx.set_last_step_output("mine", x)
+        ctx.set_last_step_output("first", x * 1.0, reduce_op="only_first_replica")
         ctx.set_non_tensor_output("rank", r)
+        with pytest.raises(ValueError, match="VariableAggregation.NONE"):
+            ctx.set_last_step_output("bad", x, reduce_op="none")  # refused where it is recorded: local
 
     while True:
         ctx = run_steps_on_dataset(strategy, step, it, 3)
@@ -421,6 +482,7 @@ def test_run_steps_on_dataset_records_the_last_step(strategy):
         assert float(ctx.last_step_outputs["sum"]) == last * n * n + n * (n - 1) / 2
         assert isinstance(ctx.last_step_outputs["mine"], PerReplica)
         assert int(ctx.last_step_outputs["mine"].get()) == last * n + r
+        assert float(ctx.last_step_outputs["first"]) == last * n  # replica 0's element on every rank
         assert ctx.non_tensor_outputs == {"rank": r}
     empty = run_steps_on_dataset(strategy, step, it, 3)
     assert empty.steps_run == 0 and empty.last_step_outputs == {}
@@ -547,7 +609,7 @@ def test_gpu_batches_arrive_on_the_device(gpu_strategy, steps_per_transfer):
         assert isinstance(element["x"].get(), cupy.ndarray) and isinstance(element["y"].get(), cupy.ndarray)
         got.append(cupy.asnumpy(element["y"].get()).tolist())
         assert cupy.asnumpy(element["x"].get())[:, 0].tolist() == [2 * v for v in got[-1]]
-    assert got == [order[list(p)].tolist() for p in shard_indices(30, r, n, 2 * n, remainder="partial")]
+    assert got == [order[list(p)].tolist() for p in (range(lo, hi) for lo, hi, _ in batch_plan(30, 2 * n, r, n, remainder="partial"))]
 
 
 @pytest.mark.gpu

@@ -22,16 +22,39 @@ from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
 from mpidist._distribute.metrics import WIDTH, exact_decode, exact_encode, exact_sum
 from mpidist._distribute.metrics import _as_float
 from mpidist._input.sharding import (
+    _split,
+    batch_plan,
     batch_rows,
+    check_count,
+    check_rank,
     choose_shard_policy,
-    element_index,
     epoch_order,
     file_shard,
     num_steps,
     per_replica_batch_size,
-    shard_indices,
-    split_range,
 )
+
+
+# -- views of the sharding arithmetic that only the tests use ----------------------------
+
+
+def split_range(count, rank, size):
+    """Rank's contiguous share ``[lo, hi)`` of ``count`` items, as the batch split makes it."""
+    check_rank(rank, size)
+    return _split(check_count("count", count), rank, size)
+
+
+def shard_indices(num_samples, rank, size, global_batch_size=None, *, offset=0, remainder="drop", auto_shard=True):
+    """For each step of an epoch, the positions rank reads (``global_batch_size`` defaults to ``size``)."""
+    batch = size if global_batch_size is None else global_batch_size
+    return [range(lo, hi) for lo, hi, _ in batch_plan(num_samples, batch, rank, size, offset=offset,
+                                                      remainder=remainder, auto_shard=auto_shard)]
+
+
+def element_index(step, rank, size, offset=0, auto_shard=True):
+    """Index of the element rank receives at ``step`` of an element-sharded iterable started at ``offset``."""
+    check_rank(rank, size)
+    return offset + (step * size + rank if auto_shard else step)
 
 SIZES = range(1, 8)
 PAIRS = [(rank, size) for size in SIZES for rank in range(size)]

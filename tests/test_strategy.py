@@ -240,7 +240,8 @@ def test_reduce_accepts_only_first_replica(strategy, op):
             assert_equal(first, [1.0, 0.0])
             assert_equal(value.get(), [r + 1.0, -2.0 * r])  # the argument is left as it was
             nest = strategy.reduce(op, {"a": value, "b": [np.int64(r + 5)]})
-            assert_equal(nest["a"], [1.0, 0.0]) and int(nest["b"][0]) == 5
+            assert_equal(nest["a"], [1.0, 0.0])
+            assert int(nest["b"][0]) == 5 and float(strategy.reduce(op, np.float64(r + 2.5))) == 2.5
             assert_equal(strategy.reduce_async(op, [value, np.array(r)]).wait()[0], [1.0, 0.0])
             in_replica = strategy.run(lambda: md.get_replica_context().all_reduce(op, np.array(float(r + 7))))
             assert float(in_replica.get()) == 7.0

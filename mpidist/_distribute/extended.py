@@ -104,7 +104,8 @@ class StrategyExtended:
             if axis is not None:
                 raise ValueError(f"rank {self._comm.rank}: ONLY_FIRST_REPLICA takes replica 0's value as it "
                                  f"is; it has no axis to reduce along (got axis={axis})")
-            return map_structure(lambda x: self._comm.broadcast(self.local(x).copy(), root=0, name="reduce"), value)
+            xp = self._comm.backend.xp  # a new array (also of a NumPy scalar), which the broadcast overwrites
+            return map_structure(lambda x: self._comm.broadcast(xp.array(self.local(x)), root=0, name="reduce"), value)
         leaves = flatten(value)
         if axis is None and len(leaves) > 1:  # all leaves together: few MPI calls, one agreement record
             arrays = [self._prepared(op, leaf) for leaf in leaves]

@@ -23,7 +23,8 @@ the number of steps each rank has ready, a 0-d int64) per *chunk* of steps
 (and of the strategy's metadata check, ``check_collectives``) per chunk;
 larger chunks divide that cost. A rank whose source raises tells the others through the
 same allreduce, so they raise too instead of waiting. Elements past the last
-step that every rank has are dropped.
+step that every rank has are dropped; each rank warns once with how many
+(``drop_remainder=True`` drops them silently).
 
 Elements arrive as nests of :class:`~mpidist.PerReplica` holding arrays of
 the strategy's array module (NumPy, or CuPy on the rank's GPU); numbers
@@ -48,6 +49,7 @@ import collections
 import collections.abc
 import itertools
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
@@ -109,6 +111,7 @@ class _ArraySource:
     kind = "array"
     global_position = True
     collective_length = False
+    dropped = 0  # the remainder is the dataset's own, explicit choice
 
     def __init__(self, dataset: ArrayDataset, rank: int, size: int, auto_shard: bool) -> None:
         self._dataset, self._rank, self._size, self._auto_shard = dataset, rank, size, auto_shard
@@ -151,10 +154,15 @@ class _StreamSource:
         self._group, self._pick, self._rank = group, pick, rank
         self.global_position, self.collective_length = global_position, collective_length
         self._opened: Any = None  # the last one-shot iterator read, which cannot start over
+        self.dropped = 0  # elements of the epoch read by no rank: the last, incomplete group
 
     def length(self, epoch: int, offset: int) -> Optional[int]:
         total = self._length()
-        return None if total is None else max(0, total - offset) // self._group
+        self.dropped = 0
+        if total is None:
+            return None
+        self.dropped = max(0, total - offset) % self._group
+        return max(0, total - offset) // self._group
 
     def chunks(self, epoch: int, offset: int, steps: int, length: Optional[int], seed: int) -> Iterator[Chunk]:
         """Opens the epoch's stream now (errors are raised here, in the caller's thread), reads it lazily."""
@@ -186,6 +194,8 @@ class _StreamSource:
         produced = 0
         while length is None or produced < length:
             group = list(itertools.islice(it, self._group))
+            if 0 < len(group) < self._group:  # the last, incomplete group
+                self.dropped = len(group)
             if len(group) <= self._pick:
                 if length is not None:
                     raise RuntimeError(
@@ -251,9 +261,10 @@ class DistributedDataset:
     """
 
     def __init__(self, strategy: "MPIStrategy", source: Any, *, shard_policy: str, prefetch: int,
-                 steps_per_transfer: int, epoch: int) -> None:
+                 steps_per_transfer: int, epoch: int, drop_remainder: Optional[bool] = None) -> None:
         self._strategy, self._source = strategy, source
         self.shard_policy = shard_policy
+        self._warn_drops = not drop_remainder
         self.prefetch = check_count("prefetch", prefetch)
         self.steps_per_transfer = check_count("steps_per_transfer", steps_per_transfer, 1)
         self._epoch = check_count("epoch", epoch)
@@ -277,6 +288,16 @@ class DistributedDataset:
             raise TypeError(f"the number of steps of this {self.shard_policy}-sharded dataset is only known by "
                             "iterating it (its dataset has no len(), or ranks read different data)")
         return steps
+
+    def _report_dropped(self, dropped: int, epoch: int) -> None:
+        """Warn, once per dataset, that ``dropped`` elements (over all ranks) were read by no rank. Local."""
+        if dropped > 0 and self._warn_drops:
+            self._warn_drops = False
+            warnings.warn(
+                f"rank {self._strategy.rank}: mpidist dropped {dropped} element(s) of epoch {epoch} so that all "
+                f"{self._strategy.num_replicas_in_sync} ranks run the same number of steps ({self.shard_policy} "
+                "sharding). Pass drop_remainder=True to drop them without this warning, or read the data as an "
+                "ArrayDataset with remainder='partial' or 'mask' to see every element", UserWarning, stacklevel=4)
 
     def iterator_from_state(self, state: dict[str, Any]) -> "DistributedIterator":
         """A new iterator positioned at ``state`` (from :meth:`DistributedIterator.get_state`). Local."""
@@ -316,6 +337,7 @@ class DistributedIterator:
         self._length: Optional[int] = None
         self._final = False  # no step after those in _ready
         self._done = False  # exhausted: next() raises StopIteration without communicating
+        self._dropped = 0  # steps this rank read that the others had no step for (rank-local sources)
 
     # -- position (local) ------------------------------------------------------------
     @property
@@ -397,18 +419,37 @@ class DistributedIterator:
                         f"rank {self._rank}: the input pipeline of rank {-1 - count} failed (epoch {self._epoch}, "
                         f"offset {self._offset}); its error is raised there. Stopping here too, so no rank waits")
                 self._final = count < self._dataset.steps_per_transfer
+                self._dropped += len(steps) - count
             elif chunk is None:
                 self._final = True
             self._ready.extend(steps[:count])
         if not self._ready:
-            self.close()
-            self._done = True
+            self._end_epoch()
             raise StopIteration
+
+    def _end_epoch(self) -> None:
+        """Close, then warn about dropped elements. Collective for rank-local sources (files,
+        ``dataset_fn``): each rank reads the rest of its share to count it, and one allreduce sums
+        the counts (every rank ends the epoch at the same step)."""
+        dropped = self._source.dropped if self._source.global_position else self._dropped
+        if not self._source.global_position and self._pipe is not None and self._dataset._warn_drops:
+            try:
+                while (chunk := self._pipe.get()) is not None:
+                    dropped += len(chunk)
+            except Exception:
+                self._agree(0, "elements dropped", ReduceOp.SUM)  # join the others' count, then fail here
+                raise
+        if not self._source.global_position and self._dataset._warn_drops:
+            dropped = self._agree(dropped, "elements dropped", ReduceOp.SUM)
+        self.close()
+        self._done = True
+        self._dataset._report_dropped(dropped, self._epoch)
 
     def _start(self) -> None:
         length = self._source.length(self._epoch, self._offset)
         if self._source.collective_length:
             agreed = self._agree(-1 if length is None else length, "dataset length")
+            self._dropped = 0 if agreed < 0 else length - agreed
             length = None if agreed < 0 else agreed
         self._length = length
         self._converter = Converter(self._strategy.backend)
@@ -417,11 +458,11 @@ class DistributedIterator:
         prepare = self._converter.prepare if self._converter.staging else None
         self._pipe = Prefetcher(chunks, prepare, self._dataset.prefetch)
 
-    def _agree(self, count: int, what: str) -> int:
-        """Collective: the minimum of ``count`` over all ranks (no communication at one rank)."""
+    def _agree(self, count: int, what: str, op: ReduceOp = ReduceOp.MIN) -> int:
+        """Collective: the minimum (or ``op``) of ``count`` over all ranks (no communication at one rank)."""
         if self._strategy.num_replicas_in_sync == 1:
             return count
-        result = self._strategy.communicator.allreduce(np.array(count, dtype=np.int64), ReduceOp.MIN,
+        result = self._strategy.communicator.allreduce(np.array(count, dtype=np.int64), op,
                                                        name=f"data: {what}")
         return int(result)
 
@@ -442,7 +483,8 @@ class DistributedIterator:
 
 
 def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool = True, *, prefetch: int = 2,
-                       steps_per_transfer: int = 1, shard_policy: str = "auto") -> DistributedDataset:
+                       steps_per_transfer: int = 1, shard_policy: str = "auto",
+                       drop_remainder: Optional[bool] = None) -> DistributedDataset:
     """Distribute ``dataset`` over the strategy's replicas. Local.
 
     - Any iterable: with ``auto_shard`` rank ``r`` receives element
@@ -466,12 +508,21 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
             so use 0 when every core runs a rank and batches are cheap.
         steps_per_transfer: steps gathered, copied to the device and agreed
             on together (pass ``iterations`` of :func:`run_steps_on_dataset`).
+        drop_remainder: for element streams (any iterable, a ``FileDataset``):
+            elements that would give some ranks one step more than others are
+            dropped, so that every rank runs the same number of steps. By
+            default each rank warns once (``UserWarning``) with how many were
+            dropped in the epoch; ``True`` drops them silently. ``False``
+            raises ``ValueError``: read the data as an :class:`ArrayDataset`
+            with ``remainder="partial"`` or ``"mask"`` to see every element.
+            An :class:`ArrayDataset` chooses with its own ``remainder``.
 
     Every rank must pass the same dataset. Each ``iter()`` of the result
     starts over (a one-shot iterator, such as a generator, cannot: a second
     ``iter()`` raises ``RuntimeError``).
     """
     rank, size = strategy.rank, strategy.num_replicas_in_sync
+    _check_drop_remainder(drop_remainder, dataset)
     if shard_policy not in SHARD_POLICIES:
         raise ValueError(f"shard_policy must be one of {', '.join(SHARD_POLICIES)}, got {shard_policy!r}")
     if isinstance(dataset, ArrayDataset):
@@ -499,11 +550,25 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
             group, pick = (size, rank) if auto_shard else (1, 0)
             source = _StreamSource("elements", _epoch_stream(dataset), lambda: _length_of(dataset), group, pick, rank)
     return DistributedDataset(strategy, source, shard_policy=policy, prefetch=prefetch,
-                              steps_per_transfer=steps_per_transfer, epoch=getattr(dataset, "epoch", 0))
+                              steps_per_transfer=steps_per_transfer, epoch=getattr(dataset, "epoch", 0),
+                              drop_remainder=drop_remainder)
+
+
+def _check_drop_remainder(drop_remainder: Optional[bool], dataset: Any) -> None:
+    if drop_remainder is None:
+        return
+    if isinstance(dataset, ArrayDataset):
+        raise ValueError(f"drop_remainder applies to element streams; an ArrayDataset chooses with its own "
+                         f"remainder= (now {dataset.remainder!r}): 'drop', 'partial' or 'mask'")
+    if drop_remainder is False:
+        raise ValueError("drop_remainder=False: an element stream keeps equal steps on every rank only by dropping "
+                         "the elements past the last full step; to read every element use an ArrayDataset with "
+                         "remainder='partial' or 'mask' (or leave drop_remainder at None to be warned)")
 
 
 def distribute_datasets_from_function(strategy: "MPIStrategy", dataset_fn: Callable[[InputContext], Any], *,
-                                      prefetch: int = 2, steps_per_transfer: int = 1) -> DistributedDataset:
+                                      prefetch: int = 2, steps_per_transfer: int = 1,
+                                      drop_remainder: Optional[bool] = None) -> DistributedDataset:
     """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns.
 
     The call is local, made once, here. Each step every rank takes the next
@@ -514,15 +579,19 @@ def distribute_datasets_from_function(strategy: "MPIStrategy", dataset_fn: Calla
     only once (a second ``iter()`` raises ``RuntimeError``); return a
     re-iterable object (a list, an :class:`ArrayDataset`) to iterate several
     epochs. ``set_epoch`` reaches the iterable's own
-    ``set_epoch``, if it has one.
+    ``set_epoch``, if it has one. Elements past the shortest rank's last
+    step are dropped, with a warning unless ``drop_remainder=True`` (see
+    :func:`distribute_dataset`).
     """
     size, rank = strategy.num_replicas_in_sync, strategy.rank
+    _check_drop_remainder(drop_remainder, None)
     data = dataset_fn(InputContext(size, rank, size))
     _require_iterable(data, f"rank {rank}: the value returned by dataset_fn")
     source = _StreamSource("function", _epoch_stream(data), lambda: _length_of(data), 1, 0, rank,
                            global_position=False, collective_length=True)
     return DistributedDataset(strategy, source, shard_policy="function", prefetch=prefetch,
-                              steps_per_transfer=steps_per_transfer, epoch=getattr(data, "epoch", 0))
+                              steps_per_transfer=steps_per_transfer, epoch=getattr(data, "epoch", 0),
+                              drop_remainder=drop_remainder)
 
 
 # --------------------------------------------------------------------------

@@ -26,13 +26,10 @@ __all__ = [
     "check_rank",
     "check_remainder",
     "choose_shard_policy",
-    "element_index",
     "epoch_order",
     "file_shard",
     "num_steps",
     "per_replica_batch_size",
-    "shard_indices",
-    "split_range",
 ]
 
 REMAINDERS = ("drop", "partial", "mask")
@@ -59,12 +56,6 @@ def _split(count: int, rank: int, size: int) -> tuple[int, int]:
     base, extra = divmod(count, size)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (1 if rank < extra else 0)
-
-
-def split_range(count: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank's contiguous share ``[lo, hi)`` of ``count`` items: as even as possible, lower ranks first."""
-    check_rank(rank, size)
-    return _split(check_count("count", count), rank, size)
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int, rank: Optional[int] = None) -> int:
@@ -105,8 +96,8 @@ def batch_rows(offset: int, num_samples: int, global_batch_size: int, rank: int,
     """Positions ``[lo, hi)`` (in the epoch's sample order) rank reads at the step starting at ``offset``.
 
     The step holds ``min(B, num_samples - offset)`` samples; with
-    ``auto_shard`` they are split by :func:`split_range` (``B / N`` each for
-    a full batch), without it every rank reads all of them.
+    ``auto_shard`` they are split as evenly as possible, lower ranks first
+    (``B / N`` each for a full batch), without it every rank reads all of them.
     """
     check_rank(rank, size)
     return _rows(check_count("offset", offset), check_count("num_samples", num_samples),
@@ -132,26 +123,6 @@ def _plan(num_samples: int, batch: int, rank: int, size: int, offset: int, steps
         advance = min(batch, num_samples - offset)
         yield lo, hi, advance
         offset += advance
-
-
-def shard_indices(num_samples: int, rank: int, size: int, global_batch_size: Optional[int] = None, *,
-                  offset: int = 0, remainder: str = "drop", auto_shard: bool = True) -> list[range]:
-    """For each step of an epoch (from global sample ``offset``), the positions rank reads.
-
-    ``global_batch_size`` defaults to ``size`` (one sample per rank and step).
-    The ranges of all ranks of one step are disjoint and, over all steps,
-    cover positions ``offset .. num_samples - 1`` exactly once (minus the
-    dropped remainder with ``remainder="drop"``).
-    """
-    batch = size if global_batch_size is None else global_batch_size
-    return [range(lo, hi) for lo, hi, _ in batch_plan(num_samples, batch, rank, size, offset=offset,
-                                                      remainder=remainder, auto_shard=auto_shard)]
-
-
-def element_index(step: int, rank: int, size: int, offset: int = 0, auto_shard: bool = True) -> int:
-    """Index of the element rank receives at ``step`` of an element-sharded iterable started at ``offset``."""
-    check_rank(rank, size)
-    return offset + (step * size + rank if auto_shard else step)
 
 
 def epoch_order(num_samples: int, epoch: int = 0, seed: int = 0, shuffle: bool = True) -> np.ndarray:
