@@ -39,12 +39,12 @@ KILL_GRACE = 3.0
 
 
 def find_mpiexec(python: str | None = None) -> list[str]:
-    """The launcher as a command prefix: ``MPIDIST_MPIEXEC`` (split like a shell would), else
+    """The launcher as a command prefix: ``MPIDIST_MPIEXEC`` (a path, or a command line), else
     the ``mpiexec`` in the directory of ``python`` (default ``sys.executable``, not resolved: a
     virtual environment's ``bin``), else the first ``mpiexec`` or ``mpirun`` on ``PATH``."""
-    override = shlex.split(os.environ.get("MPIDIST_MPIEXEC", ""))
-    if override:
-        return override
+    override = os.environ.get("MPIDIST_MPIEXEC", "").strip()
+    if override:  # the path of the launcher itself may hold spaces
+        return [override] if os.path.isfile(override) else shlex.split(override)
     beside = Path(python or sys.executable).parent / "mpiexec"
     found = str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec") or shutil.which("mpirun")
     if not found:
