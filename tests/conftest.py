@@ -116,7 +116,10 @@ def _standin_ledger():
 
 @pytest.fixture(autouse=True)
 def _device_buffers_checked(request):
-    """gpu tests on the stand-in: no unsynchronised device buffer reached MPI, no implicit host copy."""
+    """gpu tests on the stand-in: no device buffer reached MPI before its stream was synchronised.
+
+    (An implicit host conversion raises ``TypeError``, as with CuPy, so it fails the test by itself.)
+    """
     ledger = _standin_ledger() if request.node.get_closest_marker("gpu") is not None else None
     if ledger is None:
         yield
@@ -124,7 +127,6 @@ def _device_buffers_checked(request):
     ledger.reset()
     yield
     assert ledger.violations == [], "device buffers read before their stream was synchronised"
-    assert ledger.implicit == [], "device arrays converted to host arrays implicitly"
 
 
 @pytest.fixture

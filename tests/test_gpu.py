@@ -58,6 +58,7 @@ def staged_copies(comm, h2d, d2h):
 
 def assert_copies(ledger, comm, h2d, d2h):
     assert ledger.copies() == staged_copies(comm, h2d, d2h), ledger.snapshot()
+    assert ledger.implicit == []  # no attempt at an implicit host conversion either
     if comm.cuda_aware:
         assert ledger.mpi_reads > 0  # MPI was really handed the device buffers
     else:

@@ -190,7 +190,7 @@ def test_mirrored_cross_replica_updates_apply_as_given(strategy):
         assert_equal(v.read_value(), np.full(3, 2.0))
         v.assign([7.0, 8.0, 9.0])
         assert_equal(v.numpy(), [7.0, 8.0, 9.0])
-        out = strategy.update(v, lambda c, d: c.__imul__(d), md.Mirrored({strategy.rank: np.array(2.0)}))
+        out = strategy.update(v, lambda c, d: c.__imul__(d), md.Mirrored({strategy.rank: strategy.backend.asarray(2.0)}))
         assert out is v._component
         assert_equal(strategy.read_var(v), [14.0, 16.0, 18.0])
         with pytest.raises(TypeError, match="PerReplica"):
@@ -203,7 +203,7 @@ def test_mirrored_variable_delegates_like_mirrored(strategy):
         v = Variable(np.array([1.0, 2.0, 3.0]), name="delegate")
     assert_equal(v + 1, [2.0, 3.0, 4.0])
     assert_equal(2 * v, [2.0, 4.0, 6.0])
-    assert_equal(np.asarray(v), [1.0, 2.0, 3.0])
+    assert_equal(strategy.backend.xp.asarray(v), [1.0, 2.0, 3.0])
     assert v[1] == 2.0 and v.sum() == 6.0 and (v > 1.5).tolist() == [False, True, True]
 
 

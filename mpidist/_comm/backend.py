@@ -33,13 +33,24 @@ def cupy_or_none() -> Optional[ModuleType]:
     return cupy
 
 
-def is_device_array(array: Any) -> bool:
-    """True for arrays in GPU memory (those whose type exposes ``__cuda_array_interface__``).
+_DEVICE_KINDS = frozenset({2, 10, 13})  # DLPack device types: CUDA, ROCm, CUDA managed memory
 
-    Looks at the type, not the instance: reading the interface of an instance
-    is how consumers such as MPI take a device buffer, and costs a dict per call.
+
+def is_device_array(array: Any) -> bool:
+    """True for arrays in GPU memory (CuPy arrays, and other objects exposing ``__cuda_array_interface__``).
+
+    Never reads the interface of a CuPy array: reading it is how consumers
+    such as MPI take a device buffer (and it builds a dict per call). Asks
+    ``__dlpack_device__`` instead, which objects that forward to a component
+    (distributed values) answer for their component.
     """
-    return hasattr(type(array), "__cuda_array_interface__") and not isinstance(array, np.ndarray)
+    kind = type(array)
+    if kind is np.ndarray or not hasattr(kind, "__cuda_array_interface__"):
+        return False
+    device = getattr(array, "__dlpack_device__", None)
+    if device is not None:
+        return device()[0] in _DEVICE_KINDS
+    return hasattr(array, "__cuda_array_interface__")
 
 
 def data_pointer(array: Any) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from mpidist._comm.backend import contiguous
+from mpidist._comm.backend import array_module, contiguous
 from mpidist._comm.communicator import Communicator, Handle
 from mpidist._comm.flat import FlatStore
 from mpidist._comm.reduce_op import ReduceOp
@@ -125,7 +125,7 @@ class StrategyExtended:
         if op is None:
             op = ReduceOp.SUM
             if self._comm.rank != 0:
-                arrays = [self._comm.backend.xp.zeros_like(a) for a in arrays]
+                arrays = [array_module(a).zeros_like(a) for a in arrays]
         return self._comm.iallreduce_many(arrays, op, [f"reduce_async[{i}]" for i in range(len(arrays))],
                                           then=lambda results: pack_sequence_as(value, results))
 

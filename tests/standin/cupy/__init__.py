@@ -29,6 +29,7 @@ if _found is not None:
 import builtins as _builtins  # noqa: E402
 import numbers  # noqa: E402
 import operator  # noqa: E402
+import threading  # noqa: E402
 from typing import Any, Callable, Optional  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -41,6 +42,8 @@ __version__ = "13.6.0+standin"
 is_standin = True
 
 _UNSUPPORTED = "Unsupported type {}"
+_importing = threading.local()  # set while the stand-in itself imports a device buffer
+_SCALARS = (numbers.Number, np.generic, str, bytes, type(None), slice, type(Ellipsis))
 
 
 def _address(a: np.ndarray) -> int:
@@ -116,9 +119,15 @@ class ndarray:
     data = property(lambda self: cuda.MemoryPointer(_address(self._a), self._device))
     T = property(lambda self: self.transpose())
 
+    def _exported(self, how: str) -> None:
+        if getattr(_importing, "on", False):  # CuPy itself consumes it (and honours the stream)
+            _importing.owner = self
+        else:
+            self._handed_out(how)
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        self._handed_out("__cuda_array_interface__")
+        self._exported("__cuda_array_interface__")
         stream = get_current_stream()
         return {"shape": self.shape, "typestr": self.dtype.str, "descr": [("", self.dtype.str)],
                 "data": (_address(self._a), False), "version": 3,
@@ -127,7 +136,7 @@ class ndarray:
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
                    copy: Any = None) -> Any:
-        self._handed_out(f"__dlpack__(stream={stream})")
+        self._exported(f"__dlpack__(stream={stream})")
         kwargs = {}
         if max_version is not None:
             kwargs["max_version"] = max_version
@@ -285,6 +294,23 @@ def _new(a: np.ndarray, base: Optional[ndarray] = None, device: Optional[int] = 
     return _init(ndarray.__new__(ndarray), a, base, current_device_id() if device is None else device)
 
 
+def _consume(obj: Any, via: str = "__cuda_array_interface__") -> Optional[ndarray]:
+    """A device array viewing the memory ``obj`` exports (``None`` if it exports none), as CuPy imports it."""
+    _importing.on, _importing.owner = True, None
+    try:
+        exported = getattr(obj, via)
+        if via == "__dlpack__":
+            exported()
+    except AttributeError:
+        return None
+    finally:
+        _importing.on = False
+    owner = _importing.owner
+    if owner is None:
+        raise TypeError(f"{type(obj).__name__} exports {via} but not from a stand-in device array")
+    return _new(owner._a.view(), owner._root(), owner._device)
+
+
 def _unwrap(x: Any) -> Any:
     """The NumPy array inside a device array; NumPy arrays are refused, as CuPy refuses them."""
     if isinstance(x, ndarray):
@@ -294,6 +320,10 @@ def _unwrap(x: Any) -> Any:
         raise TypeError(_UNSUPPORTED.format(type(x)))
     if isinstance(x, (list, tuple)):
         return type(x)(_unwrap(v) for v in x)
+    if not isinstance(x, _SCALARS) and not callable(x):
+        imported = _consume(x)
+        if imported is not None:
+            return _unwrap(imported)
     return x
 
 
@@ -391,6 +421,10 @@ def _from_host(obj: Any, dtype: Any, copy: bool, order: Any, ndmin: int = 0) -> 
         if not copy and (dtype is None or np.dtype(dtype) == obj.dtype) and ndmin <= obj.ndim:
             return obj
         return _apply(lambda a: np.array(a, dtype=dtype, order=order or "K", ndmin=ndmin, copy=True), obj)
+    if not isinstance(obj, (np.ndarray, list, tuple) + _SCALARS):
+        imported = _consume(obj)
+        if imported is not None:
+            return _from_host(imported, dtype, copy, order, ndmin)
     if isinstance(obj, (list, tuple)) and _builtins.any(isinstance(x, ndarray) for x in obj):
         return _apply(lambda *xs: np.array(list(xs), dtype=dtype, order=order or "K", ndmin=ndmin), *obj)
     host = np.array(obj, dtype=dtype, order=order or "K", ndmin=ndmin, copy=True)
@@ -410,6 +444,16 @@ def asarray(a: Any, dtype: Any = None, order: Any = None, *, blocking: bool = Fa
 def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K", subok: bool = False,
           ndmin: int = 0, *, blocking: bool = False) -> ndarray:
     return _from_host(obj, dtype, copy=copy, order=order, ndmin=ndmin)
+
+
+def from_dlpack(obj: Any, *, device: Any = None, copy: Any = None) -> ndarray:
+    """A device array viewing the memory of a DLPack exporter on the device."""
+    if isinstance(obj, ndarray):
+        return _new(obj._a.view(), obj._root(), obj._device)
+    imported = _consume(obj, "__dlpack__")
+    if imported is None:
+        raise TypeError(_UNSUPPORTED.format(type(obj)))
+    return imported
 
 
 def ascontiguousarray(a: Any, dtype: Any = None) -> ndarray:
