@@ -25,6 +25,7 @@ from mpidist._errors import (
     MirrorDivergenceError,
     MpidistError,
     NonFiniteError,
+    RankLeftError,
 )
 from mpidist._distribute.metrics import Accuracy, Mean, Sum
 from mpidist._comm.reduce_op import ReduceOp
@@ -68,6 +69,7 @@ __all__ = [
     "NonFiniteError",
     "Options",
     "PerReplica",
+    "RankLeftError",
     "ReduceOp",
     "ReplicaContext",
     "Sum",

@@ -19,6 +19,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "MirrorDivergenceError",
     "NonFiniteError",
+    "RankLeftError",
 ]
 
 
@@ -54,6 +55,15 @@ class CollectiveTimeoutError(MpidistError, RuntimeError):
     def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.missing_ranks = tuple(missing_ranks)
+
+
+class RankLeftError(CollectiveTimeoutError):
+    """A rank left the job (its script returned or called ``sys.exit``) while others still made collectives.
+
+    Raised on the ranks that stay, at their next collective, within moments of
+    the departure rather than at the deadline. ``missing_ranks`` lists the
+    ranks that left (when they can be named: one or two at a time).
+    """
 
 
 class NonFiniteError(MpidistError, FloatingPointError):
@@ -103,17 +113,34 @@ class ChecksumError(CheckpointError):
         self.entry = entry
 
 
-def format_ranks(ranks: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: compact rank lists for messages."""
-    out: list[str] = []
-    run: list[int] = []
-    for r in sorted(set(ranks)):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [r]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ", ".join(out)
+def format_ranks(ranks: Iterable[int], limit: int = 12) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``; ``[0, 2, 4, 6]`` -> ``"0-6:2"``: compact rank lists for messages.
+
+    Runs of consecutive ranks become ranges, arithmetic progressions of four or
+    more become strided ranges; after ``limit`` groups the rest is counted, so
+    a list of thousands of ranks stays one short line.
+    """
+    rest = sorted(set(ranks))
+    groups: list[str] = []
+    i = 0
+    while i < len(rest):
+        if i + 1 == len(rest):
+            groups.append(str(rest[i]))
+            break
+        j = i + 1
+        step = rest[j] - rest[i]
+        while j + 1 < len(rest) and rest[j + 1] - rest[j] == step:
+            j += 1
+        length = j - i + 1
+        if step == 1:
+            groups.append(f"{rest[i]}-{rest[j]}")
+        elif length >= 4:
+            groups.append(f"{rest[i]}-{rest[j]}:{step}")
+        else:
+            groups.append(str(rest[i]))
+            j = i
+        i = j + 1
+    if len(groups) > limit:
+        shown = groups[:limit]
+        return ", ".join(shown) + f", ... ({len(rest)} ranks in all)"
+    return ", ".join(groups)

@@ -7,7 +7,9 @@ the option and the accepted values, so a typo never silently does nothing.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["Options"]
@@ -26,9 +28,10 @@ def _parse_bool(text: str) -> bool:
 
 def _parse_timeout(text: str) -> Optional[float]:
     low = text.strip().lower()
-    if low in ("", "none", "0", "off"):
+    if low in ("", "none", "off"):
         return None
-    return float(low)
+    value = float(low)
+    return None if value == 0 else value
 
 
 def _parse_choice(*choices: str) -> Callable[[str], str]:
@@ -62,13 +65,20 @@ class Options:
     """Settings of a :class:`~mpidist.MPIStrategy` and its communicator.
 
     Attributes:
-        timeout: seconds a rank waits for the others to join a collective
-            before raising :class:`~mpidist.CollectiveTimeoutError`; ``None``
-            waits forever (``MPIDIST_TIMEOUT``).
-        check_collectives: before each collective, ranks agree on operation,
-            shape, dtype and reduce op, and raise
-            :class:`~mpidist.CollectiveMismatchError` on disagreement. Costs one
-            small allgather per collective (``MPIDIST_CHECK``).
+        timeout: seconds a rank waits in a collective for the others before
+            raising :class:`~mpidist.CollectiveTimeoutError` naming the ranks
+            that have not arrived; a warning names them halfway (at most a
+            minute in). Default 600: far longer than any healthy collective
+            or the imbalance between steps of a training loop, short enough
+            that a hung job fails with a diagnosis instead of burning its
+            allocation (the same reasoning as NCCL's ten-minute watchdog).
+            ``None`` (or 0) waits forever (``MPIDIST_TIMEOUT``).
+        check_collectives: before each collective, ranks agree on the call
+            (operation, reduce op, dtype, shape, the name of the value) and
+            raise :class:`~mpidist.CollectiveMismatchError` on disagreement, and
+            an invalid argument on one rank raises on every rank. One small
+            fixed-size allreduce per collective, which also carries small
+            reductions themselves (``MPIDIST_CHECK``).
         device: ``"cpu"`` (NumPy), ``"gpu"`` (CuPy, one GPU per rank) or
             ``"auto"`` (GPU when CuPy finds one) (``MPIDIST_DEVICE``).
         cuda_aware: whether MPI may be handed GPU buffers: ``"1"``, ``"0"``
@@ -108,7 +118,7 @@ class Options:
             (``MPIDIST_FLAT_VARIABLES``).
     """
 
-    timeout: Optional[float] = None
+    timeout: Optional[float] = 600.0
     check_collectives: bool = True
     device: str = "auto"
     cuda_aware: str = "auto"
@@ -122,6 +132,10 @@ class Options:
     flat_variables: bool = False
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name))
+        if self.timeout == 0:
+            object.__setattr__(self, "timeout", None)  # 0 means no deadline, as in MPIDIST_TIMEOUT=0
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"option timeout must be a positive number of seconds or None, got {self.timeout!r}")
         if self.check_mirrored_every < 0:
@@ -139,6 +153,7 @@ class Options:
         """Build options from keyword overrides, then ``MPIDIST_*`` variables, then defaults."""
         env = os.environ if env is None else env
         fields = {f.name for f in dataclasses.fields(cls)}
+        _warn_misspelt(env, fields)
         unknown = sorted(set(overrides) - fields)
         if unknown:
             raise ValueError(f"unknown mpidist option(s) {', '.join(unknown)}; known options: {', '.join(sorted(fields))}")
@@ -147,7 +162,8 @@ class Options:
             var = "MPIDIST_" + ("CHECK" if name == "check_collectives" else name.upper())
             if name in overrides:
                 value = overrides[name]
-                values[name] = _PARSERS[name](value) if isinstance(value, str) else value
+                # keywords are typed values; only the two text-valued options take (and normalise) text
+                values[name] = _PARSERS[name](value) if isinstance(value, str) and name in ("device", "cuda_aware") else value
             elif var in env:
                 try:
                     values[name] = _PARSERS[name](env[var])
@@ -155,6 +171,50 @@ class Options:
                     raise ValueError(f"environment variable {var}: {exc}") from None
         return cls(**values)
 
-    def replace(self, **changes: Any) -> "Options":
-        """A copy with ``changes`` applied (validated like the constructor)."""
-        return dataclasses.replace(self, **changes)
+
+# The types each option accepts (bool is not a number here; None only where it means "off").
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "timeout": ((int, float, type(None)), "a number of seconds or None"),
+    "check_collectives": ((bool,), "True or False"),
+    "device": ((str,), '"auto", "cpu" or "gpu"'),
+    "cuda_aware": ((str,), '"auto", "1" or "0"'),
+    "pipeline_bytes": ((int,), "an integer number of bytes"),
+    "check_finite": ((bool,), "True or False"),
+    "abort_on_error": ((bool,), "True or False"),
+    "check_mirrored_every": ((int,), "an integer"),
+    "fusion_bytes": ((int,), "an integer number of bytes"),
+    "hierarchical": ((bool,), "True or False"),
+    "node_size": ((int,), "an integer"),
+    "flat_variables": ((bool,), "True or False"),
+}
+
+# MPIDIST_* variables of the project's own scripts and tests, which are not options.
+_NOT_OPTIONS = ("MPIDIST_TEST_", "MPIDIST_SLURM_", "MPIDIST_MPIEXEC", "MPIDIST_LAUNCHER", "MPIDIST_SRUN_MPI",
+                "MPIDIST_VENV", "MPIDIST_JOBS", "MPIDIST_PYTEST_ARGS", "MPIDIST_MPI_ENV", "MPIDIST_CTEST_")
+_warned: set[str] = set()
+
+
+def _check_type(name: str, value: Any) -> None:
+    types, expected = _TYPES[name]
+    integral = isinstance(value, int) and not isinstance(value, bool)
+    if bool not in types and isinstance(value, bool) or not isinstance(value, types) or (
+            int in types and float not in types and not integral):
+        raise TypeError(f"option {name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _env_name(option: str) -> str:
+    return "MPIDIST_" + ("CHECK" if option == "check_collectives" else option.upper())
+
+
+def _warn_misspelt(env: Mapping[str, str], fields: set[str]) -> None:
+    """Warn once per variable about ``MPIDIST_*`` names that look like a misspelt option."""
+    known = {_env_name(f): f for f in fields}
+    for var in env:
+        if not var.startswith("MPIDIST_") or var in known or var in _warned or var.startswith(_NOT_OPTIONS):
+            continue
+        close = difflib.get_close_matches(var, known, n=1, cutoff=0.8)
+        if close:
+            _warned.add(var)
+            warnings.warn(f"environment variable {var} is not an mpidist option; did you mean {close[0]}?",
+                          UserWarning, stacklevel=4)
+

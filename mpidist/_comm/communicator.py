@@ -15,12 +15,13 @@ run in cache-sized pieces; many arrays reduce together through
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._comm.agreement import Agreement, Kind
+from mpidist._comm.abort import install_exit_hook
+from mpidist._comm.agreement import Agreement, Call, Kind, validate
 from mpidist._comm.backend import Backend, array_module
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.fusion import Fusion, UpdateFn
@@ -70,6 +71,7 @@ class Communicator:
         except MPI.Exception as exc:
             raise CommError(f"could not set up mpidist's communicator: {exc.Get_error_string()}") from exc
         self._agreement = Agreement(self._transport)
+        install_exit_hook()
         self.rank: int = self._comm.rank
         self.size: int = self._comm.size
         self.local_rank: int = self._node.rank
@@ -77,6 +79,11 @@ class Communicator:
         self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
         self.cuda_aware = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self._fusion = Fusion(self._transport, self._agreement, self.backend, self.cuda_aware)
+
+    @property
+    def agreement(self) -> Agreement:
+        """The agreement step of this communicator's collectives (coordinated stop flags live here)."""
+        return self._agreement
 
     # -- life cycle ----------------------------------------------------------------
     @property
@@ -91,6 +98,7 @@ class Communicator:
 
     def free(self) -> None:
         """Collective: release the duplicated communicators."""
+        self._agreement.free()
         if self._node != MPI.COMM_NULL:
             self._node.Free()
         self._transport.free()
@@ -164,28 +172,12 @@ class Communicator:
         as possible (the first ``len % size`` ranks get one more). Every rank
         passes the same shape. Returns this rank's block as a new array.
         """
-        op = ReduceOp.of(op)
-        self._agreement.agree(Kind.REDUCE_SCATTER, array, op, name=name)
-        rows = array.shape[0] if array.ndim else 1
-        counts = self.split_counts(rows) if counts is None else [int(c) for c in counts]
-        if len(counts) != self.size or sum(counts) != rows or min(counts) < 0:
-            raise ValueError(f"rank {self.rank}: reduce_scatter of {name!r}: counts {counts} must be "
-                             f"{self.size} non-negative numbers adding up to {rows} rows")
-        row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
-        result = array_module(array).empty((counts[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
-        send = self.backend.to_mpi(array, self.cuda_aware)
-        recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
-        self._transport.run(f"reduce_scatter of {name!r}", "Reduce_scatter", send, recv,
-                  [c * row for c in counts], self._transport.mpi_op(op, array.dtype))
-        self.backend.from_mpi(result, recv)
-        if op is ReduceOp.MEAN:
-            result /= self.size
-        return result
+        return self._reduce_scatter(array, op, counts, name)
 
     def barrier(self) -> None:
         """Collective: return once every rank has entered (honours the timeout)."""
         if self._agreement.enabled:
-            self._agreement.agree(Kind.BARRIER, None, None, name="barrier")  # the exchange itself synchronises
+            self._agreement.agree(Call(Kind.BARRIER, "barrier"))  # the exchange itself synchronises
             return
         self._transport.begin()
         self._transport.run("barrier", "Barrier")
@@ -195,9 +187,22 @@ class Communicator:
         base, extra = divmod(n, self.size)
         return [base + (1 if r < extra else 0) for r in range(self.size)]
 
+    def fail(self, error: Exception, name: str) -> "NoReturn":
+        """Collective: take part in the collective the other ranks make, with this rank's ``error``.
+
+        For a caller that found a problem with its own arguments before it
+        could call a collective: this rank raises ``error``, and the other
+        ranks (in whatever collective they entered) raise
+        :class:`~mpidist.CollectiveMismatchError` naming this rank and the error.
+        """
+        if self._agreement.enabled:
+            self._agreement.agree(Call(Kind.FUSED, repr(name)), error)
+        raise error
+
     # -- many arrays at once ------------------------------------------------------------
     def reduce_apply(self, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Optional[ReduceOp]],
-                     fn: UpdateFn, names: Sequence[str], in_place: bool = False) -> None:
+                     fn: UpdateFn, names: Sequence[str], in_place: bool = False,
+                     error: Optional[Exception] = None) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
         ``ops[i]`` ``None`` means rank 0's value. ``fn`` updates its first
@@ -208,8 +213,11 @@ class Communicator:
         with their reduced values (no scratch copy); otherwise they are left
         as they are. Every rank passes arrays of the same dtypes and shapes in
         the same order; the ranks agree on the whole list with one record.
+        ``error`` is this rank's own problem with its arguments, found by the
+        caller: raised here once every rank has seen it (the others raise a
+        mismatch naming this rank).
         """
-        self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place)
+        self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error)
 
     def allreduce_many(self, arrays: Sequence[Any], op: Union[ReduceOp, str] = ReduceOp.SUM,
                        names: Optional[Sequence[str]] = None) -> list[Any]:
@@ -256,107 +264,213 @@ class Communicator:
         return self.broadcast(buffer, root, name=name).tobytes()
 
     # -- implementation ------------------------------------------------------------
-    def _allreduce(self, array: Any, op: Union[ReduceOp, str], out: Any, inplace: bool, name: str,
-                   blocking: bool) -> Any:
-        op = ReduceOp.of(op)
-        self._agreement.agree(Kind.ALLREDUCE, array, op, name=name, check_finite=self.options.check_finite)
-        if inplace and out is not None:
-            raise ValueError(f"rank {self.rank}: allreduce of {name!r}: pass either inplace=True or out=, not both")
-        if inplace:
-            target = array
-        elif out is not None:
-            self._check_out(array, out, name)
-            target = out
-        else:
-            target = array_module(array).empty_like(array)
-        copied = target is not array and self.backend.needs_staging(array, self.cuda_aware)
-        if copied:
-            target[...] = array  # reduce a device copy in place: staging then needs one buffer
-        send = None if target is array or copied else array
-        recv = self.backend.to_mpi(target, self.cuda_aware, reuse=blocking)
-        mpi_op = self._transport.mpi_op(op, array.dtype)
-        if (blocking and recv is target and self.options.timeout is None and self._transport.hierarchy is None
-                and target.nbytes <= self.options.pipeline_bytes):
-            # the common small host case: one call, no pieces (this is the per-update latency path)
-            self._transport.call("allreduce", self._comm.Allreduce, MPI.IN_PLACE if send is None else send, target, mpi_op)
-            if op is ReduceOp.MEAN:
-                target[...] /= self.size
-            return target
+    def _op(self, op: Any) -> tuple[Optional[ReduceOp], Optional[Exception]]:
+        try:
+            return ReduceOp.of(op), None
+        except ValueError as exc:
+            return None, ValueError(f"rank {self.rank}: {exc}")
 
-        flat_send = None if send is None else send.reshape(-1)
-        flat_recv, flat_target = recv.reshape(-1), target.reshape(-1)
-        pieces = [(None if send is None else flat_send[lo:hi], flat_recv[lo:hi]) for lo, hi in self._transport.pieces(target)]
-        what = f"allreduce of {name!r}"
-        if not blocking:
-            def finish() -> Any:
-                self.backend.from_mpi(target, recv)
+    def _allreduce(self, array: Any, op: Any, out: Any, inplace: bool, name: str, blocking: bool) -> Any:
+        error = None
+        if op.__class__ is not ReduceOp:
+            op, error = self._op(op)
+        error = error or validate(array, op, name, self.rank, writable=inplace)
+        if error is None and out is not None:
+            error = (ValueError(f"rank {self.rank}: allreduce of {name!r}: pass either inplace=True or out=, not both")
+                     if inplace else self._out_error(array, out, name))
+        if error is None:
+            target = array if inplace else out if out is not None else array_module(array).empty_like(array)
+        agreement = self._agreement
+        if not agreement.enabled:
+            self._transport.begin()
+            if error is not None:
+                raise error
+            if blocking and self._one_call(target):
+                # the common small host case: one call, no pieces (the per-update latency path)
+                self._transport.call("allreduce", self._comm.Allreduce,
+                                     MPI.IN_PLACE if target is array else array, target, self._transport.mpi_op(op, array.dtype))
                 if op is ReduceOp.MEAN:
                     target[...] /= self.size
                 return target
+            return self._reduce_data(array, target, op, name, blocking)
+        if blocking:
+            if error is None:
+                carried = agreement.agree_array(Kind.ALLREDUCE, name, op, array, self.options.check_finite)
+            else:
+                carried = agreement.agree(Call(Kind.ALLREDUCE, name), error)
+            if carried is None:
+                return self._reduce_data(array, target, op, name, blocking)
+            self._store(carried, target, op)
+            return target
 
-            requests, complete = self._transport.start_pieces(what, pieces, mpi_op)
-            return Handle(self._transport, what, requests, lambda: (complete(), finish())[1])
+        def then(carried: Optional[np.ndarray]) -> Any:
+            if carried is None:
+                return self._reduce_data(array, target, op, name, blocking)
+            self._store(carried.reshape(target.shape), target, op)
+            return [], lambda: target
+
+        call = Call(Kind.ALLREDUCE, name, op, array.dtype.char, tuple(array.shape)) if error is None else Call(
+            Kind.ALLREDUCE, name)
+        return Handle(self._transport, agreement.start(call, error, array, self.options.check_finite, then),
+                      keep=(array, out))
+
+    def _store(self, carried: np.ndarray, target: Any, op: ReduceOp) -> None:
+        """Local: the sums carried by the agreement record (shaped like ``target``) into ``target``."""
+        char = target.dtype.char
+        if char == "d" and op is ReduceOp.SUM:
+            target[...] = carried
+        elif char in "bhiBHI":
+            target[...] = carried.astype(np.int64)  # float64 sums of integers are exact; wrap like MPI
+        elif char == "?":
+            target[...] = carried != 0
+        elif op is ReduceOp.MEAN:
+            np.divide(carried, self.size, out=target, casting="unsafe")
+        else:
+            target[...] = carried
+
+    def _reduce_data(self, array: Any, target: Any, op: ReduceOp, name: str, blocking: bool) -> Any:
+        """Collective, once agreed: ``target`` <- the reduction of every rank's ``array``, in pieces."""
+        if target is not array and self.backend.needs_staging(array, self.cuda_aware):
+            target[...] = array  # reduce a device copy in place: staging then needs one buffer
+        send = None if target is array or self.backend.needs_staging(array, self.cuda_aware) else array
+        recv = self.backend.to_mpi(target, self.cuda_aware, reuse=blocking)
+        mpi_op = self._transport.mpi_op(op, array.dtype)
+        flat_send = None if send is None else send.reshape(-1)
+        flat_recv, flat_target = recv.reshape(-1), target.reshape(-1)
+        ranges = self._transport.pieces(target)
+        pieces = [(None if send is None else flat_send[lo:hi], flat_recv[lo:hi]) for lo, hi in ranges]
+        what = f"allreduce of {name!r}"
         staged = recv is not target
-        for (sbuf, rbuf), (lo, hi) in zip(pieces, self._transport.pieces(target)):
+
+        def finish() -> Any:
+            self.backend.from_mpi(target, recv)
+            if op is ReduceOp.MEAN and (staged or not blocking):
+                target[...] /= self.size
+            return target
+
+        if not blocking:
+            requests, complete = self._transport.start_pieces(what, pieces, mpi_op)
+            return requests, lambda: (complete(), finish())[1]
+        for (sbuf, rbuf), (lo, hi) in zip(pieces, ranges):
             self._transport.reduce(what, sbuf, rbuf, mpi_op)
             if op is ReduceOp.MEAN and not staged:
                 flat_target[lo:hi] /= self.size  # while the piece is in cache
-        self.backend.from_mpi(target, recv)
-        if op is ReduceOp.MEAN and staged:
-            target[...] /= self.size
-        return target
-
-    def _broadcast(self, array: Any, root: int, name: str, blocking: bool) -> Any:
-        if not 0 <= root < self.size:
-            raise ValueError(f"rank {self.rank}: broadcast of {name!r}: root {root} is not a rank of a "
-                             f"{self.size}-rank communicator")
-        self._agreement.agree(Kind.BROADCAST, array, None, root=root, name=name)
-        buf = self.backend.to_mpi(array, self.cuda_aware, reuse=blocking)
-
-        def finish() -> Any:
-            self.backend.from_mpi(array, buf)
-            return array
-
-        what = f"broadcast of {name!r}"
-        args = (buf.reshape(-1), root)
-        if not blocking:
-            return Handle(self._transport, what, [self._transport.start("Bcast", *args)] if array.size else [], finish)
-        if array.size:
-            self._transport.run(what, "Bcast", *args)
         return finish()
+
+    def _one_call(self, target: Any) -> bool:
+        return (self._transport.hierarchy is None and target.nbytes <= self.options.pipeline_bytes
+                and not self.backend.needs_staging(target, self.cuda_aware))
+
+    def _broadcast(self, array: Any, root: Any, name: str, blocking: bool) -> Any:
+        error = None
+        if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < self.size:
+            error = ValueError(f"rank {self.rank}: broadcast of {name!r}: root {root!r} is not a rank of a "
+                               f"{self.size}-rank communicator")
+            root = 0
+        error = error or validate(array, None, name, self.rank, writable=True)
+        call = Call(Kind.BROADCAST, name, None, *_layout(array, error), root=int(root))
+        what = f"broadcast of {name!r}"
+
+        def then(_: Any) -> Any:
+            buf = self.backend.to_mpi(array, self.cuda_aware, reuse=blocking)
+
+            def finish() -> Any:
+                self.backend.from_mpi(array, buf)
+                return array
+
+            args = (buf.reshape(-1), root)
+            if not blocking:
+                return ([self._transport.start("Bcast", *args)] if array.size else []), finish
+            if array.size:
+                self._transport.run(what, "Bcast", *args)
+            return finish()
+
+        return self._agreed(call, error, then, blocking, keep=(array,))
 
     def _allgather(self, array: Any, name: str, blocking: bool) -> Any:
-        records = self._agreement.agree(Kind.ALLGATHER, array, None, name=name)
-        shape = tuple(array.shape) if array.ndim else (1,)
-        if records is None:  # no agreement exchange: gather the lengths alone
-            lengths = np.array(self._transport.call("allgather", self._comm.allgather, shape[0]), dtype=np.int64)
-        else:
-            lengths = self._agreement.allgather_lengths(records)
-        counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        result = array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
-        send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
-        recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
+        error = validate(array, None, name, self.rank)
+        call = Call(Kind.ALLGATHER, name, None, *_layout(array, error))
+        what = f"allgather of {name!r}"
 
-        def finish() -> Any:
+        def then(_: Any) -> Any:
+            shape = tuple(array.shape) if array.ndim else (1,)
+            lengths = np.empty(self.size, dtype=np.int64)
+            self._transport.run(f"{what} (lengths)", "Allgather", np.array([shape[0]], dtype=np.int64), lengths)
+            counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            result = array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
+            send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
+            recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
+
+            def finish() -> Any:
+                self.backend.from_mpi(result, recv)
+                return result
+
+            dtype = MPI.Datatype.fromcode(array.dtype.char)
+            args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counts.tolist(), displs.tolist()), dtype])
+            if not blocking:
+                return [self._transport.start("Allgatherv", *args)], finish
+            self._transport.run(what, "Allgatherv", *args)
+            return finish()
+
+        return self._agreed(call, error, then, blocking, keep=(array,))
+
+    def _reduce_scatter(self, array: Any, op: Any, counts: Optional[Sequence[int]], name: str) -> Any:
+        op, error = self._op(op)
+        error = error or validate(array, op, name, self.rank)
+        rows = (array.shape[0] if array.ndim else 1) if error is None else 0
+        if error is None:
+            try:
+                counts = self.split_counts(rows) if counts is None else [int(c) for c in counts]
+            except (TypeError, ValueError):
+                counts = None
+            if counts is None or len(counts) != self.size or sum(counts) != rows or min(counts) < 0:
+                error = ValueError(f"rank {self.rank}: reduce_scatter of {name!r}: counts {counts} must be "
+                                   f"{self.size} non-negative numbers adding up to {rows} rows")
+        call = Call(Kind.REDUCE_SCATTER, name, op, *_layout(array, error),
+                    extra=tuple(counts) if error is None else None)
+
+        def then(_: Any) -> Any:
+            row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
+            result = array_module(array).empty((counts[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
+            send = self.backend.to_mpi(array, self.cuda_aware)
+            recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
+            self._transport.run(f"reduce_scatter of {name!r}", "Reduce_scatter", send, recv,
+                                [c * row for c in counts], self._transport.mpi_op(op, array.dtype))
             self.backend.from_mpi(result, recv)
+            if op is ReduceOp.MEAN:
+                result /= self.size
             return result
 
-        what = f"allgather of {name!r}"
-        dtype = MPI.Datatype.fromcode(array.dtype.char)
-        args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counts.tolist(), displs.tolist()), dtype])
-        if not blocking:
-            return Handle(self._transport, what, [self._transport.start("Allgatherv", *args)], finish)
-        self._transport.run(what, "Allgatherv", *args)
-        return finish()
+        return self._agreed(call, error, then, blocking=True)
 
-    def _check_out(self, array: Any, out: Any, name: str) -> None:
+    def _agreed(self, call: Call, error: Optional[Exception], then: Callable[[Any], Any], blocking: bool,
+                keep: tuple = ()) -> Any:
+        """Collective: run ``then`` once the ranks agreed on ``call`` (directly when agreement is off)."""
+        if not self._agreement.enabled:
+            self._transport.begin()
+            if error is not None:
+                raise error
+            result = then(None)
+            return result if blocking else Handle(self._transport, None, result, keep)
+        ticket = self._agreement.start(call, error, then=then)
+        if blocking:
+            return ticket.wait()
+        return Handle(self._transport, ticket, keep=keep)
+
+    def _out_error(self, array: Any, out: Any, name: str) -> Optional[Exception]:
         if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
-            raise ValueError(f"rank {self.rank}: allreduce of {name!r}: out= must have the input's shape "
-                             f"{tuple(array.shape)} and dtype {array.dtype}, got "
-                             f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}")
-        if not out.flags.c_contiguous:
-            raise TypeError(f"rank {self.rank}: allreduce of {name!r}: out= must be C-contiguous")
+            return ValueError(f"rank {self.rank}: allreduce of {name!r}: out= must have the input's shape "
+                              f"{tuple(array.shape)} and dtype {array.dtype}, got "
+                              f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            return ValueError(f"rank {self.rank}: allreduce of {name!r}: out= must be C-contiguous and writable")
+        return None
+
+
+def _layout(array: Any, error: Optional[Exception]) -> tuple[str, tuple]:
+    """(dtype char, shape) of a valid array argument, for its :class:`Call`."""
+    return ("", ()) if error is not None else (array.dtype.char, tuple(array.shape))
 
 
 def _names(names: Optional[Sequence[str]], n: int) -> Sequence[str]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from mpidist._comm.agreement import Agreement
+from mpidist._comm.agreement import Agreement, Call, Kind, validate
 from mpidist._comm.backend import Backend, array_module, is_device_array
 from mpidist._comm.flat import joinable, span
 from mpidist._comm.handle import Handle
@@ -58,7 +58,7 @@ class Fusion:
 
     # -- reduce and apply ------------------------------------------------------------
     def reduce_apply(self, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op], fn: UpdateFn,
-                     names: Sequence[str], in_place: bool = False) -> None:
+                     names: Sequence[str], in_place: bool = False, error: Optional[Exception] = None) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
         ``fn`` must update its first argument in place, elementwise: it is
@@ -68,9 +68,25 @@ class Fusion:
         divides by the number of ranks before ``fn`` sees the values. With
         ``in_place`` the sends are overwritten with their reduced values
         (arrays reduced where they are need no bucket then: the fastest path
-        for large buffers); without, they are left as they are.
+        for large buffers); without, they are left as they are. ``error`` is
+        this rank's own problem with its arguments (raised here once every rank
+        has seen it; the others raise a mismatch naming this rank).
         """
-        what = self._agreement.agree_many(sends, ops, names)
+        what = _what(sends, ops, names)
+
+        def then(carried: Optional[np.ndarray]) -> None:
+            if carried is not None:  # one small array, reduced inside the agreement itself
+                reduced = _cast(carried / self._transport.size if ops[0] is ReduceOp.MEAN else carried, sends[0].dtype)
+                fn(targets[0].reshape(-1), reduced)
+                if in_place:
+                    sends[0].reshape(-1)[...] = reduced
+            else:
+                self._reduce_apply(what, sends, targets, ops, fn, in_place)
+
+        self._agree(sends, ops, names, error, then)
+
+    def _reduce_apply(self, what: str, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op],
+                      fn: UpdateFn, in_place: bool) -> None:
         if len(sends) == 1:  # the per-update latency path
             self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place)
             return
@@ -144,33 +160,79 @@ class Fusion:
         :meth:`Communicator.iallreduce`).
         """
         t = self._transport
-        what = self._agreement.agree_many(arrays, [op] * len(arrays), names)
+        what = _what(arrays, [op] * len(arrays), names)
         results: list[Any] = [None] * len(arrays)
-        requests: list[Any] = []
-        steps: list[Callable[[], None]] = []
+        copies = []
         for _, members in self._groups(arrays, [op] * len(arrays)):
             out = self._outputs(arrays, members, results)
             for i in members:
                 results[i][...] = arrays[i]
-            host = self._backend.to_mpi(out, self._cuda_aware, reuse=False)
-            started, complete = t.start_pieces(
-                what, [(None, host[lo:hi]) for lo, hi in t.pieces(host)], t.mpi_op(op, out.dtype))
-            requests += started
+            copies.append(out)
 
-            def step(out: Any = out, host: Any = host, complete: Callable[[], None] = complete) -> None:
-                complete()
-                self._backend.from_mpi(out, host)
-                if op is ReduceOp.MEAN:
-                    out /= t.size
+        def start(_: Any) -> tuple[list[Any], Callable[[], Any]]:
+            requests: list[Any] = []
+            steps: list[Callable[[], None]] = []
+            for out in copies:
+                host = self._backend.to_mpi(out, self._cuda_aware, reuse=False)
+                started, complete = t.start_pieces(
+                    what, [(None, host[lo:hi]) for lo, hi in t.pieces(host)], t.mpi_op(op, out.dtype))
+                requests += started
 
-            steps.append(step)
+                def step(out: Any = out, host: Any = host, complete: Callable[[], None] = complete) -> None:
+                    complete()
+                    self._backend.from_mpi(out, host)
+                    if op is ReduceOp.MEAN:
+                        out /= t.size
 
-        def finish() -> list[Any]:
-            for step in steps:
-                step()
-            return then(results)
+                steps.append(step)
 
-        return Handle(t, what, requests, finish)
+            def finish() -> Any:
+                for step in steps:
+                    step()
+                return then(results)
+
+            return requests, finish
+
+        if not self._agreement.enabled:
+            t.begin()
+            return Handle(t, None, start(None), keep=tuple(copies))
+        ticket = self._agreement.start(self._call(arrays, [op] * len(arrays), names), self._error(arrays, [op] * len(arrays), names),
+                                       list(arrays), self._options.check_finite, start)
+        return Handle(t, ticket, keep=tuple(copies))
+
+    # -- agreement ------------------------------------------------------------------------
+    def _error(self, arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> Optional[Exception]:
+        """Local: the first invalid argument of the list, or ``None``."""
+        for a, op, name in zip(arrays, ops, names):
+            error = validate(a, op, name, self._transport.rank)
+            if error is not None:
+                return error
+        return None
+
+    @staticmethod
+    def _call(arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> Call:
+        """What the ranks agree on: one array's own call, or the whole list's layout and names."""
+        if len(arrays) == 1:
+            a = arrays[0]
+            kind = Kind.BROADCAST if ops[0] is None else Kind.ALLREDUCE
+            return Call(kind, names[0], ops[0], a.dtype.char, tuple(a.shape))
+        specs = tuple((None if op is None else op.value, a.dtype.str, tuple(a.shape)) for a, op in zip(arrays, ops))
+        return Call(Kind.FUSED, _what(arrays, ops, names)[len("fused reduction of "):], extra=(specs, tuple(names)))
+
+    def _agree(self, arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str], error: Optional[Exception],
+               then: Callable[[Optional[np.ndarray]], None]) -> None:
+        """Collective: agree on the list (with this rank's ``error``, if any), then run ``then``."""
+        error = error or self._error(arrays, ops, names)
+        if not self._agreement.enabled:
+            self._transport.begin()
+            if error is not None:
+                raise error
+            then(None)
+            return
+        call = self._call(arrays, ops, names) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
+        data = arrays[0] if len(arrays) == 1 else [a for a, op in zip(arrays, ops) if op is not None]
+        self._agreement.start(call, error, data, self._options.check_finite and any(op is not None for op in ops),
+                              then).wait()
 
     # -- shared parts ---------------------------------------------------------------------
     def _outputs(self, arrays: Sequence[Any], members: list[int], results: list[Any]) -> Any:
@@ -245,3 +307,20 @@ def _runs(sends: Sequence[Any], targets: Sequence[Any]) -> list[tuple[Any, Any]]
         runs.append((span(sends[start:i]), span(targets[start:i])))
         start = i
     return runs
+
+
+def _what(arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> str:
+    if len(arrays) == 1:
+        return ("broadcast of " if ops[0] is None else "allreduce of ") + repr(names[0])
+    listed = ", ".join(repr(n) for n in names[:3])
+    more = f", ... {len(names) - 3} more" if len(names) > 3 else ""
+    return f"fused reduction of {len(arrays)} arrays ({listed}{more})"
+
+
+def _cast(carried: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The reduced values carried in the record (float64), in the arrays' dtype (integers wrap like MPI's)."""
+    if dtype.char == "?":
+        return carried != 0
+    if dtype.kind in "iu":
+        return carried.astype(np.int64).astype(dtype)
+    return carried.astype(dtype, copy=False)

@@ -11,7 +11,9 @@ the business of the layers above (:mod:`~mpidist._comm.agreement`,
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -19,7 +21,7 @@ from mpi4py import MPI
 
 from mpidist._comm.hierarchy import Hierarchy
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._errors import CollectiveTimeoutError, CommError
+from mpidist._errors import CollectiveTimeoutError, CommError, format_ranks
 from mpidist._options import Options
 
 __all__ = ["Transport"]
@@ -27,6 +29,11 @@ __all__ = ["Transport"]
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MEAN: MPI.SUM, ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX, ReduceOp.PROD: MPI.PROD}
 _BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND, ReduceOp.PROD: MPI.LAND}
+
+
+_TAG_QUERY, _TAG_REPLY = 7702, 7703
+_SPIN = 50e-6  # seconds of busy polling before a waiting rank starts to yield the core
+_STALL = 60.0  # at most this many seconds before a rank warns that others are late
 
 
 def _nothing() -> None:
@@ -48,6 +55,7 @@ class Transport:
         self.seq = 0  # number of the collective in progress (the last one begun)
         self.broken: Optional[str] = None
         self.hierarchy = Hierarchy(comm, options.node_size) if options.hierarchical else None
+        self._query_id = 0
 
     def free(self) -> None:
         """Collective: release the communicators (the hierarchy's and ``comm``)."""
@@ -98,16 +106,93 @@ class Transport:
             except MPI.Exception as exc:
                 raise CommError(f"rank {self.rank}: {what} failed in MPI: {exc.Get_error_string()}") from exc
             return
-        deadline = time.monotonic() + self.options.timeout
+        for request in requests:
+            self.poll(request, what)
+
+    # -- waiting with a deadline ---------------------------------------------------------------
+    def poll(self, request: MPI.Request, what: object) -> None:
+        """Local: complete one request of a collective, honouring ``options.timeout``.
+
+        Busy-polls for a few tens of microseconds (the common case at small
+        scale), then yields the core between tests, then sleeps in growing
+        steps of up to a millisecond. Meanwhile it answers other ranks'
+        "where are you?" queries. Halfway to the deadline (at most
+        a minute in) it warns naming the ranks that have not arrived; at the
+        deadline it raises :class:`~mpidist.CollectiveTimeoutError` naming them.
+        """
+        if request.Test():
+            return
+        timeout = self.options.timeout
+        if timeout is None:
+            self.call(str(what), request.Wait)
+            return
+        start = time.perf_counter()
+        while time.perf_counter() - start < _SPIN:
+            if request.Test():
+                return
+        begun = time.monotonic()
+        deadline, warn_at = begun + timeout, begun + min(timeout / 2, _STALL)
+        what = str(what)  # the description, built only on this slow path
+        warned = False
         pause = 0.0
-        while not MPI.Request.Testall(requests):
-            if time.monotonic() >= deadline:
+        while not request.Test():
+            now = time.monotonic()
+            self._answer_queries()
+            if now >= deadline or (not warned and now >= warn_at):
+                missing = self._missing(request, grace=min(2.0, max(0.2, timeout / 10)))
+                if missing is None:
+                    return  # completed while asking
+                if now < deadline:
+                    warned = True
+                    warnings.warn(f"mpidist rank {self.rank}: still waiting after {now - begun:.3g} s in "
+                                  f"{what} (collective #{self.seq}); {_missing_text(missing)}",
+                                  RuntimeWarning, stacklevel=3)
+                    continue
                 self.broken = f"{what} (collective #{self.seq}) never completed"
                 raise CollectiveTimeoutError(
-                    f"rank {self.rank}: {what} (collective #{self.seq}) did not complete within "
-                    f"{self.options.timeout:g} s although every rank had joined it; a rank may have died")
-            pause = min(1e-3, pause * 2 or 1e-6)
-            time.sleep(pause)
+                    f"rank {self.rank}: {what} (collective #{self.seq}) did not complete within {timeout:g} s; "
+                    f"{_missing_text(missing)}. A rank that skips a collective, calls a different one, or "
+                    "died leaves the others waiting; every rank must call the same collectives in the same "
+                    "order. The communicator is unusable from now on.", missing)
+            if now - begun < 1e-3:
+                os.sched_yield()
+            else:
+                pause = min(1e-3, pause * 2 or 2e-5)
+                time.sleep(pause)
+
+    def _answer_queries(self) -> None:
+        """Local: tell every rank that asked which collective this rank is waiting in."""
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, _TAG_QUERY, status):
+            query = np.empty(2, dtype=np.int64)
+            self.comm.Recv(query, status.Get_source(), _TAG_QUERY)
+            self.comm.Isend(np.array([self.seq, query[1]], dtype=np.int64), status.Get_source(), _TAG_REPLY)
+
+    def _missing(self, request: MPI.Request, grace: float) -> Optional[list[int]]:
+        """Local (error path): the ranks that do not answer within ``grace`` seconds; None if ``request`` completed.
+
+        Asks every other rank with a point-to-point message; ranks waiting in
+        a collective of this communicator answer from their polling loop.
+        """
+        self._query_id += 1
+        query = np.array([self.seq, self._query_id], dtype=np.int64)
+        for r in range(self.size):
+            if r != self.rank:
+                self.comm.Isend(query, r, _TAG_QUERY)
+        answered = {self.rank}
+        end = time.monotonic() + grace
+        status = MPI.Status()
+        reply = np.empty(2, dtype=np.int64)
+        while time.monotonic() < end and len(answered) < self.size:
+            if request.Test():
+                return None
+            self._answer_queries()
+            while self.comm.Iprobe(MPI.ANY_SOURCE, _TAG_REPLY, status):
+                self.comm.Recv(reply, status.Get_source(), _TAG_REPLY)
+                if reply[1] == self._query_id:
+                    answered.add(status.Get_source())
+            time.sleep(1e-3)
+        return [r for r in range(self.size) if r not in answered]
 
     @staticmethod
     def test(requests: list[MPI.Request]) -> bool:
@@ -167,3 +252,10 @@ class Transport:
         self.run(what, "Allgatherv", local, [joined, (lengths.tolist(), displs.tolist()), MPI.BYTE])
         blob = joined.tobytes()
         return [blob[lo:lo + n] for lo, n in zip(displs.tolist(), lengths.tolist())]
+
+
+def _missing_text(missing: list[int]) -> str:
+    if not missing:
+        return "every rank answered, so all are inside collectives of this communicator but not the same one"
+    return (f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)} "
+            f"{'have' if len(missing) > 1 else 'has'} not arrived (missing or unreachable)")

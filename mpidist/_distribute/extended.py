@@ -98,22 +98,41 @@ class StrategyExtended:
         return ReduceOp.of(reduce_op)
 
     def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None) -> Any:
-        """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`."""
-        op = self.reduce_op(reduce_op)
-        if op is None:
-            if axis is not None:
+        """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`.
+
+        Every argument is checked before any collective; a problem on one rank
+        (an unknown op, an axis out of range, a nest of another structure) is
+        raised on that rank and reported to the others as a mismatch naming it.
+        """
+        try:
+            op = self.reduce_op(reduce_op)
+            if op is None and axis is not None:
                 raise ValueError(f"rank {self._comm.rank}: ONLY_FIRST_REPLICA takes replica 0's value as it "
                                  f"is; it has no axis to reduce along (got axis={axis})")
-            xp = self._comm.backend.xp  # a new array (also of a NumPy scalar), which the broadcast overwrites
-            return map_structure(lambda x: self._comm.broadcast(xp.array(self.local(x)), root=0, name="reduce"), value)
-        leaves = flatten(value)
-        if axis is None and len(leaves) > 1:  # all leaves together: few MPI calls, one agreement record
-            arrays = [self._prepared(op, leaf) for leaf in leaves]
+            leaves = flatten(value)
+            if op is None:
+                xp = self._comm.backend.xp  # new arrays (also of NumPy scalars), which the broadcast overwrites
+                arrays = [xp.array(self.local(x)) for x in leaves]
+            elif axis is None:
+                arrays = [self._prepared(op, x) for x in leaves]
+            else:
+                arrays = [self._axis_sum(op, self.local(x), axis) for x in leaves]
+        except (TypeError, ValueError) as exc:
+            self._comm.fail(exc, "reduce")
+        if op is None:
+            return pack_sequence_as(value, [self._comm.broadcast(a, root=0, name="reduce") for a in arrays])
+        if axis is None and len(arrays) != 1:  # all leaves together: few MPI calls, one agreement record
             return pack_sequence_as(value, self._comm.allreduce_many(
                 arrays, op, [f"reduce[{i}]" for i in range(len(arrays))]))
-        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
-            return map_structure(lambda x: self._comm.allreduce(self._prepared(op, x), op), value)
-        return map_structure(lambda x: self._sum_or_mean(op, self.local(x), axis), value)
+        if axis is None:
+            return pack_sequence_as(value, [self._comm.allreduce(arrays[0], op, name="reduce")])
+        results = []
+        for (total, count) in arrays:
+            total = self._comm.allreduce(total, ReduceOp.SUM, name="reduce")
+            if op is ReduceOp.MEAN:
+                total /= int(self._comm.allreduce(count, ReduceOp.SUM, name="count"))
+            results.append(total)
+        return pack_sequence_as(value, results)
 
     def reduce_async(self, reduce_op: AnyReduceOp, value: Any) -> Handle:
         """Collective, nonblocking :meth:`reduce` (without ``axis``).
@@ -145,11 +164,22 @@ class StrategyExtended:
                         fn: UpdateFn, in_place: bool = False) -> None:
         """Collective: ``fn(component, value reduced by the variable's aggregation)`` for each, fused.
 
-        Then, when due, the periodic ``check_mirrored`` of ``options.check_mirrored_every``.
+        Each value is first fitted to its variable's shape and dtype; a value
+        that does not fit raises its ``ValueError``/``TypeError`` on this rank
+        and a :class:`~mpidist.CollectiveMismatchError` naming this rank on the
+        others, in the same agreement step. The variables' names are part of
+        what the ranks agree on. Then, when due, the periodic
+        ``check_mirrored`` of ``options.check_mirrored_every``.
         """
+        error: Optional[Exception] = None
+        try:
+            values = [v._coerce(x) for v, x in zip(variables, values)]
+        except (TypeError, ValueError) as exc:
+            error = exc
+            values = [v._component for v in variables]  # not sent: the agreement fails first
         self._comm.reduce_apply(values, [v._component for v in variables],
                                 [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
-                                [v.name for v in variables], in_place)
+                                [v.name for v in variables], in_place, error)
         every = self._strategy.options.check_mirrored_every
         if every:
             due = []
@@ -184,16 +214,14 @@ class StrategyExtended:
             local = local.astype(np.float64)
         return contiguous(local)
 
-    def _sum_or_mean(self, op: ReduceOp, local: Any, axis: Optional[int]) -> Any:
-        if axis is None:
-            return self._comm.allreduce(self._prepared(op, local), op)
+    @staticmethod
+    def _axis_sum(op: ReduceOp, local: Any, axis: int) -> tuple[Any, Any]:
+        """Local: this rank's sum along ``axis`` and its element count there (for ``MEAN``)."""
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise ValueError(f"reduce with axis= supports SUM and MEAN, not {op.name}")
         if op is ReduceOp.MEAN and local.dtype.kind in "iub":
             local = local.astype(np.float64)
-        total = self._comm.allreduce(contiguous(local.sum(axis=axis)), ReduceOp.SUM)
-        if op is ReduceOp.MEAN:
-            count = self._comm.allreduce(np.array(local.shape[axis], dtype=np.int64), ReduceOp.SUM, name="count")
-            total /= int(count)
-        return total
+        return contiguous(local.sum(axis=axis)), np.array(local.shape[axis], dtype=np.int64)
 
 
 def is_array(x: Any) -> bool:

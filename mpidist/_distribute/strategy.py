@@ -260,10 +260,10 @@ class MPIStrategy:
             if v.strategy is not self:
                 raise ValueError(f"strategy.batch_update: variable {v.name!r} belongs to another strategy, {v.strategy!r}")
         update = UPDATES[fn] if isinstance(fn, str) else fn
-        values = [v._coerce(x) for v, x in pairs]
+        values = [x for _, x in pairs]
         if get_replica_context() is None:
             for v, x in zip(variables, values):
-                update(v._component, x)
+                update(v._component, v._coerce(x))
             return variables
         for v in variables:
             if v.aggregation is VariableAggregation.NONE:

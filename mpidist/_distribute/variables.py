@@ -104,7 +104,7 @@ class _OnWritePolicy(_Policy):
             )
         # What merge_call would do, without wrapping and unwrapping the arguments: the update is
         # the hot path of training loops.
-        var._strategy.extended.update_mirrored((var,), (var._coerce(value),), UPDATES[kind])
+        var._strategy.extended.update_mirrored((var,), (value,), UPDATES[kind])
         return var
 
     def read(self, var: "DistributedVariable") -> Any:
