@@ -20,6 +20,7 @@ from mpidist._comm.flat import zeros_like_layout
 from mpidist._distribute.context import enter_context, get_replica_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
 from mpidist._distribute.nest import flatten, is_number, map_structure
+from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
 from mpidist._distribute.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
 from mpidist._errors import MirrorDivergenceError, format_ranks
@@ -60,6 +61,7 @@ class MPIStrategy:
         self.comm = duplicate_world() if comm is None else comm
         self._communicator = Communicator(self.comm, self.options)
         self._extended = StrategyExtended(self, self._communicator, self.options)
+        self._stopper = Stopper(self._communicator)
         if self.options.abort_on_error:
             install_abort_on_error()
 
@@ -175,6 +177,45 @@ class MPIStrategy:
     def barrier(self) -> None:
         """Collective: wait until every rank has arrived (honours the timeout)."""
         self._communicator.barrier()
+
+    # -- coordinated stop (preemption) -----------------------------------------------------
+    def request_stop(self) -> None:
+        """Local: ask every rank to stop at the same step; safe inside a signal handler.
+
+        The request rides the next collective's agreement record, so every
+        rank's :meth:`should_stop` turns ``True`` after the same collective,
+        with no extra message (see :mod:`mpidist._distribute.preemption`).
+        """
+        self._stopper.request()
+
+    def should_stop(self, check_every: int = DEFAULT_CHECK_EVERY) -> bool:
+        """Whether every rank has agreed to stop; ``True`` from the same step on, on every rank.
+
+        Call it once per step on every rank, between steps; when it is
+        ``True``, save a checkpoint (collective) and return. Local with
+        collective checks on (the default): it reads what the step's
+        collectives carried. With every check off (``check_collectives=False,
+        timeout=None``) every ``check_every``-th call is a collective (one
+        allreduce of one integer), so a stop is seen up to ``check_every``
+        calls after it was requested.
+        """
+        return self._stopper.should_stop(check_every)
+
+    def stop_on_signals(self, *signals: Any) -> dict[int, Any]:
+        """Local: make these signals (default ``SIGUSR1`` and ``SIGTERM``) call :meth:`request_stop`.
+
+        Signals are ``signal.SIGUSR1``, numbers or names (``"USR1"``). Call it
+        in the main thread, on every rank, early: a signal that arrives before
+        the handler is installed still ends the process. Returns the previous
+        handlers, ``{signal number: handler}``. The last signal that asked for
+        a stop on this rank is :attr:`stop_signal`.
+        """
+        return self._stopper.install(signal_numbers(signals) if signals else DEFAULT_SIGNALS)
+
+    @property
+    def stop_signal(self) -> Optional[int]:
+        """The number of the last signal that asked this rank to stop (``None``: none did). Local."""
+        return self._stopper.signal
 
     # -- input (the data layer does the work) ------------------------------------------------
     def distribute_dataset(self, dataset: Any, auto_shard: bool = True, **options: Any) -> Any:
