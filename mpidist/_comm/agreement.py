@@ -117,6 +117,9 @@ class Call:
             text += f" counts {list(self.extra)}"
         return text
 
+    def __str__(self) -> str:
+        return self.describe()
+
     def layout(self) -> list[str]:
         """One line per array of a fused reduction (empty for other calls)."""
         if self.kind != Kind.FUSED or not self.extra:

@@ -89,13 +89,19 @@ class StrategyExtended:
             try:
                 reduce_op = VariableAggregation(reduce_op.lower())
             except ValueError:
-                return ReduceOp.of(reduce_op)
+                return self._op(reduce_op)
         if isinstance(reduce_op, VariableAggregation):
             if reduce_op is VariableAggregation.NONE:
                 raise ValueError(f"rank {self._comm.rank}: VariableAggregation.NONE does not say how to combine "
                                  "the replicas' values; reduce with SUM, MEAN or ONLY_FIRST_REPLICA")
             return _AGGREGATION_OPS[reduce_op]
-        return ReduceOp.of(reduce_op)
+        return self._op(reduce_op)
+
+    def _op(self, reduce_op: Any) -> ReduceOp:
+        try:
+            return ReduceOp.of(reduce_op)
+        except ValueError as exc:
+            raise ValueError(f"rank {self._comm.rank}: {exc}") from None
 
     def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None) -> Any:
         """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`.

@@ -1,0 +1,111 @@
+"""Collective safety on whole jobs (2 and 3 ranks; a marked subset at 8 ranks, oversubscribed).
+
+Each test launches ``tests/samples/safety_job.py`` under a real ``mpiexec`` with
+``abort_on_error`` off and every error caught, so what ends each case is
+mpidist's agreement itself: the rank with the bad argument raises its own
+error, every other rank a :class:`~mpidist.CollectiveMismatchError` naming it;
+a rank that stays away is named when the deadline passes; a rank that leaves
+is named at once. Expected texts derive from the rank and the size; time
+bounds are the job's subprocess timeout and the elapsed time each rank reports.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpirun import run_mpi
+
+JOB = str(Path(__file__).resolve().parent / "samples" / "safety_job.py")
+RANKS = [2, 3, pytest.param(8, marks=pytest.mark.ranks8)]
+
+
+def launch(n: int, scenario: str, out_dir: Path, timeout: float = 60) -> dict[int, dict[str, tuple[float, str]]]:
+    """Run the scenario at ``n`` ranks; every rank's {case: (seconds, outcome)}."""
+    result = run_mpi(n, [sys.executable, JOB, scenario, str(out_dir)], timeout=timeout, env=dict(os.environ))
+    assert result.returncode == 0, result.describe()
+    seen = {}
+    for r in range(n):
+        path = out_dir / f"rank{r}.txt"
+        assert path.exists(), f"rank {r} reported nothing\n{result.describe()}"
+        rows = [line.split(" ", 2) for line in path.read_text().splitlines()]
+        seen[r] = {case: (float(seconds), outcome) for case, seconds, outcome in rows}
+    return seen
+
+
+BAD_ARGUMENTS = {  # case: (the bad rank's error type, words of its message)
+    "unknown_op": ("ValueError", "unknown reduce op"),
+    "out_shape": ("ValueError", "out= must have the input's shape"),
+    "inplace_and_out": ("ValueError", "either inplace=True or out="),
+    "read_only": ("ValueError", "read-only"),
+    "byte_order": ("TypeError", "non-native byte order"),
+    "broadcast_root": ("ValueError", "is not a rank"),
+    "reduce_scatter_counts": ("ValueError", "counts"),
+    "update_shape": ("ValueError", "cannot update variable 'a'"),
+    "reduce_op": ("ValueError", "unknown reduce op"),
+}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_bad_argument_on_one_rank_is_an_error_on_every_rank(n, tmp_path):
+    seen = launch(n, "bad_arguments", tmp_path)
+    bad = n - 1
+    for case, (kind, words) in BAD_ARGUMENTS.items():
+        seconds, outcome = seen[bad][case]
+        assert outcome.startswith(f"{kind}: rank {bad}: ") and words in outcome, (case, outcome)
+        for r in range(n - 1):
+            seconds, outcome = seen[r][case]
+            assert outcome.startswith(f"CollectiveMismatchError: rank {r}: "), (case, r, outcome)
+            assert f"rank {bad}: #" in outcome and "could not take part" in outcome and words in outcome, (case, outcome)
+            assert seconds < 15, (case, seconds)
+    for r in range(n):  # nothing was broken: the next collective works
+        assert seen[r]["after"][1] == f"ok {float(n)}"
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_mismatches_are_errors_on_every_rank_naming_both_sides(n, tmp_path):
+    seen = launch(n, "mismatch", tmp_path)
+    others = f"ranks 0-{n - 2}" if n > 2 else "rank 0"
+    words = {"shape": ("float64[2]", "float64[3]"), "different_variable": ("'a'", "'b'"),
+             "variable_name": ("'weights'", "'bias'"), "empty_nest": ("2 arrays", "0 arrays"),
+             "reduce_scatter_counts_differ": ("counts",)}
+    for r in range(n):
+        for case, expected in words.items():
+            seconds, outcome = seen[r][case]
+            assert outcome.startswith(f"CollectiveMismatchError: rank {r}: ranks disagree"), (case, r, outcome)
+            assert all(w in outcome for w in expected) and seconds < 15, (case, outcome)
+        assert f"{others}: #" in seen[r]["shape"][1] and f"rank {n - 1}: #" in seen[r]["shape"][1]
+        assert seen[r]["after"][1] == f"ok {float(n)}"
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_a_rank_that_stays_away_is_named_at_the_deadline(n, tmp_path):
+    seen = launch(n, "deadline", tmp_path, timeout=3 + 10 + 20)
+    bad = n - 1
+    assert seen[bad]["deadline"][1] == "ok stayed away"
+    for r in range(n - 1):
+        seconds, outcome = seen[r]["deadline"]
+        assert outcome.startswith(f"CollectiveTimeoutError: rank {r}: "), outcome
+        assert f"rank {bad} has not arrived" in outcome and 3 <= seconds <= 3 + 10, (seconds, outcome)
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_a_rank_that_exits_early_is_named_at_once(n, tmp_path):
+    seen = launch(n, "early_exit", tmp_path)  # default settings: the deadline is minutes away
+    bad = n - 1
+    assert seen[bad]["early_exit"][1] == "ok left"
+    for r in range(n - 1):
+        seconds, outcome = seen[r]["early_exit"]
+        assert outcome.startswith(f"RankLeftError: rank {r}: rank {bad} left the job"), outcome
+        assert seconds < 10, seconds
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_nonblocking_calls_return_at_once_and_keep_their_buffers(n, tmp_path):
+    seen = launch(n, "nonblocking", tmp_path)
+    total = float(sum(r + 1 for r in range(n)))
+    for r in range(n):
+        seconds, outcome = seen[r]["nonblocking"]
+        returned = float(outcome.split("returned=")[1].split()[0])
+        assert outcome.endswith(f"sum={[total] * 4}"), outcome
+        assert returned < 1.0, outcome  # while rank n-1 is 1.5 s late
