@@ -19,6 +19,11 @@ Every part of mpidist in one program:
   (its last batch padded and masked).
 - A checkpoint every epoch (weights and the epoch counter); ``--resume`` continues from
   the newest one, on any number of ranks.
+- Preemption: ``SIGUSR1`` or ``SIGTERM`` on any rank asks for a coordinated stop
+  (``strategy.stop_on_signals``); every rank sees it after the same step
+  (``strategy.should_stop()``), saves one checkpoint mid-epoch (with the metrics and the
+  input position) and exits with status 0; ``--resume`` continues at that step and ends
+  with the same weights as a run that was never stopped.
 - Progress on rank 0 only: a progress bar on a terminal, one plain line per epoch in a log.
 
 For the same ``--global-batch-size`` (default 60, divisible by 1 to 6 ranks) the
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -182,6 +188,27 @@ class Progress:
         print(text, flush=True)
 
 
+class _Position:
+    """The training iterator's position, as a checkpoint item (``get_state`` / ``set_state``)."""
+
+    def __init__(self) -> None:
+        self.iterator: Any = None  # the epoch's iterator while training
+        self.restored: Optional[dict] = None  # a position read by restore, until training continues from it
+
+    def get_state(self) -> dict:
+        return self.iterator.get_state() if self.iterator is not None else {}
+
+    def set_state(self, state: dict) -> None:
+        self.restored = state or None
+
+    def step_in(self, epoch: int, global_batch_size: int) -> int:
+        """Steps of ``epoch`` already done by the restored position (0: start the epoch afresh)."""
+        state = self.restored
+        if not state or state.get("epoch") != epoch:
+            return 0
+        return int(state.get("offset", 0)) // global_batch_size
+
+
 # -- command line ----------------------------------------------------------------------------------
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The example's options; ``--help`` explains each."""
@@ -252,6 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"pick a multiple of {n} (each rank gets an equal share of every step)", file=sys.stderr)
         return 2
     xp = strategy.backend.xp
+    strategy.stop_on_signals(signal.SIGUSR1, signal.SIGTERM)  # a stop at the same step on every rank
 
     images, labels, source = load_digits(args.data)
     x_train, y_train, x_test, y_test = split(images, labels, args.test_fraction, args.seed)
@@ -267,7 +295,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         train_loss, train_accuracy = md.Mean("train_loss"), md.Accuracy("train_accuracy")
         test_accuracy = md.Accuracy("test_accuracy")
     epochs_done = np.zeros((), dtype=np.int64)
-    checkpoint = md.Checkpoint(w1=params[0], b1=params[1], w2=params[2], b2=params[3], epochs_done=epochs_done)
+    position = _Position()
+    checkpoint = md.Checkpoint(w1=params[0], b1=params[1], w2=params[2], b2=params[3], epochs_done=epochs_done,
+                               train_loss=train_loss.variables[0], train_accuracy=train_accuracy.variables[0],
+                               position=position)
 
     progress = Progress(args.progress, rank == 0, steps, args.epochs)
     progress.line(f"training a 64-{args.hidden}-10 MLP on {len(y_train)} digits ({source}), {len(y_test)} held out; "
@@ -279,7 +310,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except FileNotFoundError:
             progress.line(f"no checkpoint in {args.checkpoint_dir} yet: starting afresh")
         else:
-            progress.line(f"resumed from {where} after epoch {int(epochs_done)}")
+            at = position.step_in(int(epochs_done), args.global_batch_size)
+            progress.line(f"resumed from {where} after epoch {int(epochs_done)}"
+                          + (f" and step {at} of epoch {int(epochs_done) + 1}" if at else ""))
 
     lr = np.float32(args.learning_rate)  # set per epoch below
 
@@ -311,11 +344,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         epoch_started = time.perf_counter()
         train_data.set_epoch(epoch)
         lr = learning_rate(epoch)
-        train_loss.reset_state()
-        train_accuracy.reset_state()
-        for step, batch in enumerate(train_data, 1):  # each rank: its share of the epoch's shuffled batches
+        first = position.step_in(epoch, args.global_batch_size)
+        if first:  # resuming mid-epoch: the metrics were restored too
+            position.iterator = train_data.iterator_from_state(position.restored)
+        else:
+            position.iterator = iter(train_data)
+            train_loss.reset_state()
+            train_accuracy.reset_state()
+        position.restored = None
+        for step, batch in enumerate(position.iterator, first + 1):  # each rank: its share of the epoch's batches
             strategy.run(train_step, args=(batch,))
             progress.step(epoch + 1, step, epoch_started)
+            if strategy.should_stop():  # the same step on every rank
+                saved = "not saved (--no-checkpoint)" if args.no_checkpoint else \
+                    f"saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
+                progress.line(f"stop requested: every rank stopped in epoch {epoch + 1}/{args.epochs} after step {step}/{steps}, "
+                              f"{saved}; continue with --resume", force=True)
+                return 0
         loss, train_acc = train_loss.result(), 100.0 * train_accuracy.result()
         accuracy = evaluate()
         epochs_done[...] = epoch + 1
