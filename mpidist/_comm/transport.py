@@ -124,7 +124,10 @@ class Transport:
             return
         timeout = self.options.timeout
         if timeout is None:
-            self.call(str(what), request.Wait)
+            try:
+                request.Wait()
+            except MPI.Exception as exc:
+                raise CommError(f"rank {self.rank}: MPI error in {what}: {exc.Get_error_string()}") from exc
             return
         start = time.perf_counter()
         while time.perf_counter() - start < _SPIN:

@@ -231,6 +231,32 @@ def bench_update(bench: _Bench, strategies: dict[str, MPIStrategy], max_bytes: i
                    pipeline_bytes=strategies["check"].options.pipeline_bytes)
 
 
+def bench_safety(bench: _Bench) -> None:
+    """Per-call cost of the safety settings: an 8-byte allreduce and an 8-byte mirrored MEAN update."""
+    settings = {"all_off": dict(check_collectives=False, timeout=None), "check_only": dict(timeout=None),
+                "deadline_only": dict(check_collectives=False), "default": {}}
+    strategies = {name: MPIStrategy(device="cpu", abort_on_error=False, **kw) for name, kw in settings.items()}
+    x, out = np.ones(1), np.empty(1)
+    variants = {"raw": _repeat(lambda: bench.comm.Allreduce(x, out, MPI.SUM))}
+    variants.update({name: _repeat(lambda s=s: s.communicator.allreduce(x, out=out)) for name, s in strategies.items()})
+    bench.compare("safety", "allreduce_8B", variants)
+    tmp, weight = np.empty(1), np.zeros(1)
+
+    def hand_loop() -> None:
+        bench.comm.Allreduce(x, tmp, MPI.SUM)
+        np.multiply(tmp, 1 / bench.size, out=tmp)
+        weight.__iadd__(tmp)
+
+    updates = {"hand_loop": _repeat(hand_loop)}
+    for name, s in strategies.items():
+        with s.scope():
+            v = Variable(np.zeros(1), aggregation=VariableAggregation.MEAN, name="safety")
+        updates[name] = _in_replica(s, lambda v=v: v.assign_add(x))
+    bench.compare("safety", "update_8B", updates)
+    for s in strategies.values():
+        s.free()
+
+
 def _peak_growth(strategy: MPIStrategy, v: Any, grad: np.ndarray) -> int:
     """Collective: the most memory (traced allocations) one update allocates beyond what it started with."""
     tracemalloc.start()
@@ -341,7 +367,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results", help="directory for results.json, results.md, busbw.png")
     parser.add_argument("--repeats", type=int, default=7, help="samples per measurement (median reported)")
     parser.add_argument("--max-bytes", type=int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
-    parser.add_argument("--cases", default="sweep,pieces,update,resnet50,fusion,overlap",
+    parser.add_argument("--cases", default="sweep,pieces,update,resnet50,fusion,overlap,safety",
                         help="comma-separated subset of the cases")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) baseline")
 
@@ -351,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     cases = set(args.cases.split(","))
     bench = _Bench(args.repeats, None if args.no_torch else _init_gloo(MPI.COMM_WORLD))
     strategies = {"check": MPIStrategy(device="cpu", abort_on_error=False),
-                  "nocheck": MPIStrategy(device="cpu", check_collectives=False, abort_on_error=False),
+                  "nocheck": MPIStrategy(device="cpu", check_collectives=False, timeout=None, abort_on_error=False),
                   "flat": MPIStrategy(device="cpu", flat_variables=True, abort_on_error=False)}
     started = time.time()
     if "sweep" in cases:
@@ -366,6 +392,8 @@ def run(args: argparse.Namespace) -> int:
         bench_fusion(bench)
     if "overlap" in cases:
         bench_overlap(bench, strategies["nocheck"], args.max_bytes)
+    if "safety" in cases:
+        bench_safety(bench)
     meta = {"ranks": bench.size, "mpi": library_version(),
             "python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
             "machine": platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -88,6 +88,15 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
             out += _table(title, ["variant", "time", f"vs {base}"],
                           ([name, _t(median(e, name)), _ratio(median(e, name), median(e, base))]
                            for name, v in e.items() if isinstance(v, dict)))
+    names = {"all_off": "every check off", "check_only": "check only", "deadline_only": "deadline only",
+             "default": "default (check + deadline)"}
+    for key, title, base in (("allreduce_8B", "Safety settings: 8-byte allreduce", "raw"),
+                             ("update_8B", "Safety settings: 8-byte mirrored MEAN update", "hand_loop")):
+        e = results.get("safety", {}).get(key)
+        if e:
+            out += _table(title, ["variant", "time", "vs every check off", f"vs {base}"],
+                          ([names.get(name, name), _t(median(e, name)), _ratio(median(e, name), median(e, "all_off")),
+                            _ratio(median(e, name), median(e, base))] for name in e))
     for nbytes, e in _by_size(results.get("overlap", {})):
         out += ["", "## Nonblocking: progress during computation", "",
                 f"{human_size(nbytes)}: blocking allreduce {_t(median(e, 'blocking'))}; started with `iallreduce`, "
