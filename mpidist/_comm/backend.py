@@ -138,10 +138,6 @@ class Backend:
         """``value`` as an array of this backend (copies across host/device only)."""
         return self.xp.asarray(value, dtype=dtype)
 
-    def owns(self, array: Any) -> bool:
-        """Whether ``array`` already is an array of this backend's module."""
-        return isinstance(array, self.xp.ndarray)
-
     # -- handing buffers to MPI -------------------------------------------------
     @staticmethod
     def synchronize() -> None:
