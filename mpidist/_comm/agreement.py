@@ -82,6 +82,8 @@ class Kind(enum.IntEnum):
     BARRIER = 5
     FUSED = 6
 
+    __hash__ = int.__hash__  # as its int value, at C speed (kinds key caches)
+
 
 class Call:
     """What one rank is about to do: the identity the ranks agree on, and how to describe it.

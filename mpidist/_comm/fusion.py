@@ -72,6 +72,19 @@ class Fusion:
         this rank's own problem with its arguments (raised here once every rank
         has seen it; the others raise a mismatch naming this rank).
         """
+        if len(sends) == 1 and error is None and self._agreement.enabled:
+            send, op = sends[0], ops[0]
+            if validate(send, op, names[0], self._transport.rank) is None:  # the per-update path, kept short
+                carried = self._agreement.agree_array(Kind.BROADCAST if op is None else Kind.ALLREDUCE, names[0], op,
+                                                      send, self._options.check_finite and op is not None)
+                if carried is None:
+                    self._stream(_what(sends, ops, names), send.reshape(-1), targets[0].reshape(-1), op, fn, in_place)
+                    return
+                reduced = _cast(carried / self._transport.size if op is ReduceOp.MEAN else carried, send.dtype)
+                fn(targets[0].reshape(-1), reduced.reshape(-1))
+                if in_place:
+                    send[...] = reduced
+                return
         what = _what(sends, ops, names)
 
         def then(carried: Optional[np.ndarray]) -> None:

@@ -20,6 +20,8 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     PROD = "prod"
 
+    __hash__ = object.__hash__  # members are singletons: identity hashing, at C speed (ops key caches)
+
     @classmethod
     def of(cls, op: Union["ReduceOp", str]) -> "ReduceOp":
         """Accept a ``ReduceOp`` or its name (``"sum"``, ``"MEAN"``, ...)."""

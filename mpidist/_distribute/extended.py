@@ -179,13 +179,18 @@ class StrategyExtended:
         """
         error: Optional[Exception] = None
         try:
-            values = [v._coerce(x) for v, x in zip(variables, values)]
+            values = tuple(v._coerce(x) for v, x in zip(variables, values))
         except (TypeError, ValueError) as exc:
             error = exc
-            values = [v._component for v in variables]  # not sent: the agreement fails first
-        self._comm.reduce_apply(values, [v._component for v in variables],
-                                [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
-                                [v.name for v in variables], in_place, error)
+            values = tuple(v._component for v in variables)  # not sent: the agreement fails first
+        if len(variables) == 1:  # the per-update path: no lists
+            v = variables[0]
+            self._comm.reduce_apply(values, (v._component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,),
+                                    in_place, error)
+        else:
+            self._comm.reduce_apply(values, [v._component for v in variables],
+                                    [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
+                                    [v.name for v in variables], in_place, error)
         every = self._strategy.options.check_mirrored_every
         if every:
             due = []
