@@ -29,6 +29,36 @@ def test_options_reject_bad_values(kwargs, text):
         Options.resolve(env={}, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, text", [
+    ({"timeout": True}, "option timeout must be a number of seconds or None, got True"),
+    ({"pipeline_bytes": 2.5e6}, "option pipeline_bytes must be an integer"),
+    ({"check_collectives": "no"}, "option check_collectives must be True or False, got 'no'"),
+    ({"node_size": 2.0}, "option node_size must be an integer"),
+    ({"hierarchical": 1}, "option hierarchical must be True or False"),
+])
+def test_options_of_the_wrong_type_raise_type_error_naming_the_option(kwargs, text):
+    with pytest.raises(TypeError, match=text):
+        Options.resolve(env={}, **kwargs)
+
+
+def test_default_deadline_is_finite_and_zero_turns_it_off():
+    assert Options().timeout == 600.0
+    for text in ("0", "0.0", "none", "off"):
+        assert Options.resolve(env={"MPIDIST_TIMEOUT": text}).timeout is None
+    assert Options.resolve(env={}, timeout=0).timeout is None
+    assert Options.resolve(env={}, timeout=None).timeout is None
+
+
+def test_misspelt_environment_variables_warn_once_with_the_closest_option(recwarn):
+    env = {"MPIDIST_TIMEOUTS": "3", "MPIDIST_TEST_DEVICE": "standin", "MPIDIST_SLURM_CPUS": "2",
+           "MPIDIST_LAUNCHER": "srun", "MPIDIST_SRUN_MPI": "pmix", "MPIDIST_VENV": "/x", "MPIDIST_MPIEXEC": "mpiexec",
+           "MPIDIST_CHECK_FINITE": "1"}
+    Options.resolve(env=env)
+    Options.resolve(env=env)
+    messages = [str(w.message) for w in recwarn.list if issubclass(w.category, UserWarning)]
+    assert messages == ["environment variable MPIDIST_TIMEOUTS is not an mpidist option; did you mean MPIDIST_TIMEOUT?"]
+
+
 def test_environment_errors_name_the_variable():
     with pytest.raises(ValueError, match="MPIDIST_CHECK"):
         Options.resolve(env={"MPIDIST_CHECK": "perhaps"})
@@ -47,9 +77,14 @@ def test_error_hierarchy():
     assert err.missing_ranks == (3, 1)
 
 
-@pytest.mark.parametrize("ranks, text", [([], ""), ([2], "2"), ([0, 1, 2, 5], "0-2, 5"), ([7, 3, 4], "3-4, 7")])
+@pytest.mark.parametrize("ranks, text", [([], ""), ([2], "2"), ([0, 1, 2, 5], "0-2, 5"), ([7, 3, 4], "3-4, 7"),
+                                         ([0, 2, 4, 6], "0-6:2"), ([1, 3], "1, 3"), (range(0, 10000, 2), "0-9998:2"),
+                                         ([r * r for r in range(30)], None)])
 def test_format_ranks(ranks, text):
-    assert format_ranks(ranks) == text
+    if text is None:  # no pattern: the groups are capped and the rest counted
+        assert format_ranks(ranks).endswith(f"... ({len(ranks)} ranks in all)") and len(format_ranks(ranks)) < 120
+    else:
+        assert format_ranks(ranks) == text
 
 
 def test_cpu_backend_and_helpers():
