@@ -90,7 +90,7 @@ def test_cpu_ranks_on_a_node_with_nvidia_devices_get_a_hint():
     rank["nvidia_devices"] = True
     report = _report([rank])
     (warning, fix), = _doctor.diagnose(report)
-    assert "has NVIDIA devices" in warning and "mpidist[cuda]" in fix
+    assert "has NVIDIA devices" in warning and "mpidist[cuda12]" in fix
     report["requested_device"] = "cpu"
     assert _doctor.diagnose(report) == []
 

@@ -95,7 +95,7 @@ def test_rank_zero_reports_the_transfer_path_once(comm, caplog, setting):
     cuda_aware_module._reported.clear()
     with caplog.at_level(logging.INFO, logger="mpidist.comm"):
         for _ in range(2):
-            assert cuda_aware_module.resolve_cuda_aware(comm.mpi_comm, comm.backend, setting) is (setting == "1")
+            assert cuda_aware_module.resolve_cuda_aware(comm.mpi_comm, comm.backend, setting).enabled is (setting == "1")
     lines = [r.getMessage() for r in caplog.records if r.name == "mpidist.comm"]
     if comm.rank == 0:
         path = "go to MPI directly (CUDA-aware)" if setting == "1" else "staged through pinned host memory"

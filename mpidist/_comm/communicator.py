@@ -77,8 +77,10 @@ class Communicator:
         self.local_rank: int = self._node.rank
         self.local_size: int = self._node.size
         self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
-        self.cuda_aware = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
+        self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
+        self.cuda_aware = self.cuda_awareness.enabled
         self._fusion = Fusion(self._transport, self._agreement, self.backend, self.cuda_aware)
+        self._node_communicator: Optional[Communicator] = None
 
     @property
     def agreement(self) -> Agreement:
@@ -96,8 +98,27 @@ class Communicator:
         """Number of shared-memory nodes the ranks span."""
         return self._num_nodes
 
+    def node(self) -> "Communicator":
+        """Collective on first call: a communicator over this node's ranks (this one, on a single node).
+
+        Nodes are the ranks that share memory, or groups of ``options.node_size``
+        consecutive ranks when that is set. Freed together with this one.
+        """
+        if self._node_communicator is None:
+            group = self.options.node_size
+            if group and group < self.size:
+                split = self._comm.Split(self.rank // group, self.rank)
+                self._node_communicator = Communicator(split, self.options, self.backend)
+                split.Free()
+            else:
+                self._node_communicator = self if self._num_nodes == 1 else Communicator(
+                    self._node, self.options, self.backend)
+        return self._node_communicator
+
     def free(self) -> None:
         """Collective: release the duplicated communicators."""
+        if self._node_communicator not in (None, self):
+            self._node_communicator.free()
         self._agreement.free()
         if self._node != MPI.COMM_NULL:
             self._node.Free()
@@ -151,14 +172,15 @@ class Communicator:
         """Collective, nonblocking :meth:`broadcast`: returns a :class:`Handle`."""
         return self._broadcast(array, root, name, blocking=False)
 
-    def allgather(self, array: Any, *, name: str = "array") -> Any:
+    def allgather(self, array: Any, *, name: str = "array", out: Any = None) -> Any:
         """Collective: concatenate every rank's ``array`` along axis 0, in rank order.
 
         Lengths along axis 0 may differ between ranks; the other dimensions and
         the dtype must agree. A 0-d array counts as one element. Returns a new
-        array on every rank.
+        array on every rank, or ``out`` (C-contiguous, exactly the result's
+        shape and dtype) filled with it.
         """
-        return self._allgather(array, name, blocking=True)
+        return self._allgather(array, name, blocking=True, out=out)
 
     def iallgather(self, array: Any, *, name: str = "array") -> Handle:
         """Collective, nonblocking :meth:`allgather`: returns a :class:`Handle`."""
@@ -387,7 +409,7 @@ class Communicator:
 
         return self._agreed(call, error, then, blocking, keep=(array,))
 
-    def _allgather(self, array: Any, name: str, blocking: bool) -> Any:
+    def _allgather(self, array: Any, name: str, blocking: bool, out: Any = None) -> Any:
         error = validate(array, None, name, self.rank)
         call = Call(Kind.ALLGATHER, name, None, *_layout(array, error))
         what = f"allgather of {name!r}"
@@ -398,7 +420,8 @@ class Communicator:
             self._transport.run(f"{what} (lengths)", "Allgather", np.array([shape[0]], dtype=np.int64), lengths)
             counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            result = array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
+            result = out if out is not None else array_module(array).empty((int(lengths.sum()),) + shape[1:],
+                                                                           dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
 

@@ -105,8 +105,8 @@ def decide_cuda_aware(comm: MPI.Intracomm, backend: Backend, setting: str) -> Cu
     return CudaAwareness(outcome == _CONFIRMED, reason, source)
 
 
-def resolve_cuda_aware(comm: MPI.Intracomm, backend: Backend, setting: str) -> bool:
-    """Collective over ``comm`` (for GPU backends): whether MPI may be handed device buffers.
+def resolve_cuda_aware(comm: MPI.Intracomm, backend: Backend, setting: str) -> CudaAwareness:
+    """Collective over ``comm`` (for GPU backends): whether MPI may be handed device buffers, and why.
 
     Host backends never hand device buffers to MPI: ``False`` without
     communicating. See :func:`decide_cuda_aware`. The first time a decision
@@ -120,7 +120,7 @@ def resolve_cuda_aware(comm: MPI.Intracomm, backend: Backend, setting: str) -> b
         if setting == "auto" and not decision.enabled:
             warnings.warn(f"mpidist: {decision.describe()}. Set MPIDIST_CUDA_AWARE=1 to skip the check on an "
                           "MPI you know is CUDA-aware.", RuntimeWarning, stacklevel=4)
-    return decision.enabled
+    return decision
 
 
 def _self_test(comm: MPI.Intracomm, backend: Backend) -> bool:

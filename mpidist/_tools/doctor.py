@@ -201,6 +201,7 @@ def collect(device: Optional[str] = None, timeout: float = 60.0) -> Optional[dic
                 "versions": _versions(),
                 "cuda_aware_setting": options.cuda_aware,
                 "cuda_aware": bool(comm.cuda_aware) if all_gpu else None,
+                "cuda_aware_reason": comm.cuda_awareness.reason,
                 "nccl": nccl_status(),
                 "library_warnings": [str(w.message) for w in caught],
                 "ranks": ranks,
@@ -274,7 +275,7 @@ def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list
             problems.append((
                 f"node {host} has NVIDIA devices, but ranks {format_ranks(cpu_on_gpu_node)} compute with NumPy "
                 "on the CPU",
-                "install CuPy (pip install 'mpidist[cuda]') and check CUDA_VISIBLE_DEVICES; "
+                "install CuPy for your CUDA version (pip install 'mpidist[cuda12]' or 'mpidist[cuda13]') and check CUDA_VISIBLE_DEVICES; "
                 "MPIDIST_DEVICE=cpu makes the CPU choice explicit"))
     return problems
 
@@ -286,6 +287,8 @@ def _cuda_text(report: dict[str, Any]) -> str:
                   None: "the library has no CUDA query"}[claim]
     if report["cuda_aware"] is None:
         return f"not used: no GPU in use ({claim_text})"
+    if report.get("cuda_aware_reason"):
+        return f"{'yes' if report['cuda_aware'] else 'no'}: {report['cuda_aware_reason']} ({claim_text})"
     setting = report["cuda_aware_setting"]
     if setting in ("0", "1"):
         return (f"{'yes' if report['cuda_aware'] else 'no'}: forced by MPIDIST_CUDA_AWARE={setting}, self-test "
