@@ -381,3 +381,19 @@ def test_device_copies_start_in_the_producer_and_finish_in_the_consumer(monkeypa
     assert {thread for _, thread, _ in starts} == {producer}
     assert {thread for _, thread, _ in finishes} == {"MainThread"} and len(finishes) == 6
     assert converter.finish(converter.prepare(7)).shape == ()  # numbers become 0-d device arrays
+
+
+def test_default_prefetch_follows_the_cores_the_rank_has(monkeypatch):
+    import os
+
+    from mpidist._comm.backend import Backend
+    from mpidist._input.prefetch import default_depth
+
+    cpu = Backend(np)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    assert [default_depth(cpu, ranks) for ranks in (1, 2, 3, 4, 8)] == [2, 2, 0, 0, 0]
+
+    class Gpu:
+        is_gpu = True
+
+    assert default_depth(Gpu(), 8) == 2  # copies overlap the step on a side stream

@@ -64,7 +64,7 @@ from mpidist._input.sharding import (
     num_steps,
     per_replica_batch_size,
 )
-from mpidist._input.prefetch import Converter, Prefetcher, wrap
+from mpidist._input.prefetch import Converter, Prefetcher, default_depth, wrap
 from mpidist._distribute.values import select_replica
 
 if TYPE_CHECKING:
@@ -256,16 +256,19 @@ class DistributedDataset:
         shard_policy: how the data is shared out: ``"batch"`` (array rows of
             each global batch), ``"element"``, ``"file"``, ``"function"``
             (your ``dataset_fn``) or ``"off"`` (every rank reads everything).
-        prefetch: chunks prepared ahead in a background thread (0: none).
+        prefetch: chunks prepared ahead in a background thread (0: none; chosen by
+            :func:`~mpidist._input.prefetch.default_depth` unless given).
         steps_per_transfer: steps gathered and copied to the device together.
     """
 
-    def __init__(self, strategy: "MPIStrategy", source: Any, *, shard_policy: str, prefetch: int,
+    def __init__(self, strategy: "MPIStrategy", source: Any, *, shard_policy: str, prefetch: Optional[int],
                  steps_per_transfer: int, epoch: int, drop_remainder: Optional[bool] = None) -> None:
         self._strategy, self._source = strategy, source
         self.shard_policy = shard_policy
         self._warn_drops = not drop_remainder
-        self.prefetch = check_count("prefetch", prefetch)
+        communicator = strategy.communicator
+        self.prefetch = (default_depth(communicator.backend, communicator.local_size) if prefetch is None
+                         else check_count("prefetch", prefetch))
         self.steps_per_transfer = check_count("steps_per_transfer", steps_per_transfer, 1)
         self._epoch = check_count("epoch", epoch)
 
@@ -482,7 +485,8 @@ class DistributedIterator:
         return f"<DistributedIterator {self._source.kind} epoch {self._epoch} offset {self._offset}>"
 
 
-def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool = True, *, prefetch: int = 2,
+def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool = True, *,
+                       prefetch: Optional[int] = None,
                        steps_per_transfer: int = 1, shard_policy: str = "auto",
                        drop_remainder: Optional[bool] = None) -> DistributedDataset:
     """Distribute ``dataset`` over the strategy's replicas. Local.
@@ -504,8 +508,9 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
         prefetch: chunks prepared ahead in a background thread (0: prepare
             each step when ``next()`` asks for it). The thread hides the
             preparation behind your step when it has a core (or, on a GPU, a
-            copy engine) to itself; each hand-off can cost more than gathering a small batch,
-            so use 0 when every core runs a rank and batches are cheap.
+            copy engine) to itself. Default: 2 on a GPU or when the rank has
+            a spare core (its affinity cores divided among the ranks of its
+            node), else 0, so that the default never slows training down.
         steps_per_transfer: steps gathered, copied to the device and agreed
             on together (pass ``iterations`` of :func:`run_steps_on_dataset`).
         drop_remainder: for element streams (any iterable, a ``FileDataset``):
@@ -567,7 +572,7 @@ def _check_drop_remainder(drop_remainder: Optional[bool], dataset: Any) -> None:
 
 
 def distribute_datasets_from_function(strategy: "MPIStrategy", dataset_fn: Callable[[InputContext], Any], *,
-                                      prefetch: int = 2, steps_per_transfer: int = 1,
+                                      prefetch: Optional[int] = None, steps_per_transfer: int = 1,
                                       drop_remainder: Optional[bool] = None) -> DistributedDataset:
     """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns.
 

@@ -13,6 +13,7 @@ to other ranks.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from mpidist._comm.backend import DeviceStager
+from mpidist._comm.backend import Backend, DeviceStager
 from mpidist._input.datasets import Chunk
 from mpidist._distribute.nest import is_number, map_structure
 from mpidist._distribute.values import PerReplica
@@ -108,6 +109,21 @@ def _produce(chunks: Iterator[Chunk], prepare: Optional[Callable[[Any], Any]], i
             items.put(chunk if prepare is None else chunk.map_leaves(prepare))
     except BaseException as error:  # handed to the consumer, which re-raises it
         items.put(_Failure(error))
+
+
+def default_depth(backend: Backend, ranks_on_node: int) -> int:
+    """Local: how many chunks to prepare ahead when the user does not say.
+
+    2 when batches go to a GPU (their copies overlap the step on a side
+    stream) or when the rank has a core of its own to spare (the cores of its
+    affinity mask divided among the ranks of its node: with ``--bind-to none``
+    every rank sees every core); else 0, since a thread that competes with the
+    step for its only core (and for the GIL) slows training down.
+    """
+    if backend.is_gpu:
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 2 if cores // max(1, ranks_on_node) >= 2 else 0
 
 
 class Prefetcher:
