@@ -65,6 +65,9 @@ slurm_launch() {
       launch=(srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}" --kill-on-bad-exit=1) ;;
     mpiexec)
       load_mpi_env "$flavour"
+      # Inside an allocation the slots are Slurm's tasks per node; env.openmpi's oversubscribe
+      # mapping policy would place every rank on the first node of a multi-node job.
+      [ "$flavour" = openmpi ] && unset PRTE_MCA_rmaps_default_mapping_policy
       launch=("${mpiexec[@]:-mpiexec}" -n "$ntasks") ;;
     *) echo "error: MPIDIST_LAUNCHER=${MPIDIST_LAUNCHER}: expected srun or mpiexec" >&2; exit 2 ;;
   esac

@@ -10,9 +10,10 @@ test, docs and examples extras and that MPI's wheel into .venv-<mpi> at the repo
 configures build/ctest-<mpi> with CMake (CMakeLists.txt) and runs CTest: the serial tests (in the
 first MPI's pass only), then the tests marked mpi under mpiexec -n 1, 2 and 3, each under a timeout.
 
-System phases (CTest label "system"; today: the job scripts of jobs/ submitted to a real Slurm)
-change the machine: without a Slurm they need root, install Debian's Slurm packages with apt-get
-and run a one-node cluster for the duration. They run only with --system or when CI=true, and a
+System phases (CTest label "system": the job scripts of jobs/ submitted to a real Slurm; MPI jobs
+and Slurm across network-namespace nodes, tests/test_multinode.py) change the machine: without a
+Slurm they need root, install Debian's Slurm packages with apt-get and run a test cluster for the
+duration. They run only with --system or when CI=true, and a
 failed set-up then fails the run; --no-system leaves them out even under CI=true.
 
 The summary gives pytest's counts per phase and MPI, and the last line of the output is the total,
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
                    PYTHONDONTWRITEBYTECODE="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
         if args.system:
-            env["MPIDIST_TEST_SYSTEM"] = "1"  # tests/test_slurm.py: a failed set-up fails, never skips
+            env["MPIDIST_TEST_SYSTEM"] = "1"  # system phases: a failed set-up fails, never skips
         print(f"\n=== {mpi}", flush=True)
         try:
             if not args.no_install:

@@ -36,9 +36,9 @@ fi
 
 # Read every PID first: the daemons delete their PID files while they exit.
 pids=()
-for f in slurmd.pid slurmctld.pid munge/munged.pid; do
-  if [ -s "$state/$f" ]; then
-    pid="$(cat "$state/$f")"
+for f in "$state"/slurmd*.pid "$state/slurmctld.pid" "$state/munge/munged.pid"; do
+  if [ -s "$f" ]; then
+    pid="$(cat "$f")"
     kill -0 "$pid" 2>/dev/null && pids+=("$pid")
   fi
 done

@@ -20,6 +20,11 @@
 # machine without any; their programs must then run in CPU mode (MPIDIST_DEVICE=cpu).
 # MPIDIST_SLURM_OWNER_PID: when that process ends, a watchdog stops the cluster (so a test run
 # that is killed leaves nothing running).
+# MPIDIST_SLURM_NODES_DIR: the folder of a cluster of namespace nodes (jobs/testing/nodes-up.sh):
+# slurmctld then listens on its bridge address and every node runs its own slurmd (in the node's
+# namespaces, with its own spool, PID and log files); each node declares the CPUs and GPUs above.
+# STATE_DIR must then lie outside /tmp, which each node replaces with its own.
+# MPIDIST_SLURM_PORT: slurmctld's port (default 6817; with nodes, 6900 + the subnet's third octet).
 set -euo pipefail
 
 log() { echo "slurm-up: $*" >&2; }
@@ -84,6 +89,23 @@ fi
 
 # -- configuration ---------------------------------------------------------------------------
 host="$(hostname -s)"
+ctld_addr=127.0.0.1
+port="${MPIDIST_SLURM_PORT:-6817}"
+node_names=("$host") node_addrs=(127.0.0.1)
+nodes_dir="${MPIDIST_SLURM_NODES_DIR:-}"
+if [ -n "$nodes_dir" ]; then
+  [ -f "$nodes_dir/nodes.env" ] || die "MPIDIST_SLURM_NODES_DIR=$nodes_dir holds no nodes.env (see nodes-up.sh)"
+  case "$state/" in /tmp/*) die "STATE_DIR $state lies under /tmp, which each node replaces with its own" ;; esac
+  NAMES="" ADDRS="" BRIDGE_ADDR=""
+  # shellcheck disable=SC1091
+  source "$nodes_dir/nodes.env"
+  ctld_addr="$BRIDGE_ADDR"
+  # slurmctld listens on every address: a port of its own keeps it apart from another test
+  # cluster on this machine (the subnet's third octet is unique among running clusters).
+  subnet_octet="${SUBNET%.*}"; port="${MPIDIST_SLURM_PORT:-$((6900 + ${subnet_octet##*.}))}"
+  read -ra node_names <<<"$NAMES"
+  read -ra node_addrs <<<"$ADDRS"
+fi
 cpus="${MPIDIST_SLURM_CPUS:-$(nproc)}"
 gpus="${MPIDIST_SLURM_GPUS:-0}"
 gres_node=""
@@ -99,7 +121,8 @@ fi
 cat > "$state/slurm.conf" <<CONF
 # Written by mpidist's jobs/testing/slurm-up.sh: a one-node test cluster.
 ClusterName=mpidist-test
-SlurmctldHost=${host}(127.0.0.1)
+SlurmctldHost=${host}(${ctld_addr})
+SlurmctldPort=${port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -125,14 +148,18 @@ MailProg=/bin/true
 ReturnToService=2
 ${gres_types}
 SlurmctldPidFile=${state}/slurmctld.pid
-SlurmdPidFile=${state}/slurmd.pid
+SlurmdPidFile=${state}/slurmd-%n.pid
 StateSaveLocation=${state}/ctld
-SlurmdSpoolDir=${state}/spool
+SlurmdSpoolDir=${state}/spool/%n
 SlurmctldLogFile=${state}/slurmctld.log
-SlurmdLogFile=${state}/slurmd.log
-NodeName=${host} NodeAddr=127.0.0.1 CPUs=${cpus}${gres_node} State=UNKNOWN
-PartitionName=debug Nodes=${host} Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile=${state}/slurmd-%n.log
 CONF
+for ((k = 0; k < ${#node_names[@]}; k++)); do
+  echo "NodeName=${node_names[k]} NodeAddr=${node_addrs[k]} CPUs=${cpus}${gres_node} State=UNKNOWN" >> "$state/slurm.conf"
+  mkdir -p "$state/spool/${node_names[k]}"
+done
+node_list="${node_names[*]}"
+echo "PartitionName=debug Nodes=${node_list// /,} Default=YES MaxTime=INFINITE State=UP" >> "$state/slurm.conf"
 # Open MPI from pip under srun --mpi=pmix needs PMIx's native security module.
 echo "PMIxEnv=PMIX_MCA_psec=native" > "$state/mpi.conf"
 export SLURM_CONF="$state/slurm.conf"
@@ -142,7 +169,11 @@ if timeout 5 scontrol ping 2>/dev/null | grep -q "is UP"; then
   die "a slurmctld already answers for this configuration's host and port; stop it first"
 fi
 slurmctld -c
-slurmd -c
+if [ -n "$nodes_dir" ]; then
+  for name in "${node_names[@]}"; do "$nodes_dir/on" "$name" slurmd -c -N "$name"; done
+else
+  slurmd -c
+fi
 ok=
 for _ in $(seq 300); do
   if [ "$(timeout 5 sinfo -h -o %T 2>/dev/null)" = idle ]; then ok=1; break; fi
@@ -158,5 +189,5 @@ if [ -n "$owner" ]; then
     </dev/null >>"$state/watchdog.log" 2>&1 &
   echo $! > "$state/watchdog.pid"
 fi
-log "one-node cluster up: node ${host}, ${cpus} CPUs, ${gpus} GPUs, state in ${state}"
+log "cluster up: nodes ${node_list}, ${cpus} CPUs and ${gpus} GPUs each, state in ${state}"
 echo "export SLURM_CONF=${state}/slurm.conf"

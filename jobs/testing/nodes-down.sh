@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Remove a cluster started by jobs/testing/nodes-up.sh and delete its state folder.
+#
+#   bash jobs/testing/nodes-down.sh STATE_DIR
+#
+# Kills every process still running on a node (anything in a node's network namespace), then the
+# node holders, deletes the namespaces, the veth pairs and the bridge. Safe to run twice, or
+# after a failed bring-up. Stop a Slurm started on the nodes (slurm-down.sh) first.
+set -uo pipefail
+
+log() { echo "nodes-down: $*" >&2; }
+
+state="${1:?usage: nodes-down.sh STATE_DIR}"
+[ -d "$state" ] || { log "no such folder: $state (nothing to remove)"; exit 0; }
+state="$(cd "$state" && pwd)"
+[ -f "$state/nodes.env" ] || { log "$state has no nodes.env: not a nodes-up.sh folder"; exit 1; }
+NAMESPACES="" PIDS="" BRIDGE=""
+# shellcheck disable=SC1091
+source "$state/nodes.env"
+
+if [ -s "$state/watchdog.pid" ]; then
+  pid="$(cat "$state/watchdog.pid")"
+  [ "$pid" != "$$" ] && [ "$pid" != "$PPID" ] && kill -TERM "$pid" 2>/dev/null
+fi
+
+# Every process in a node's network namespace (MPI daemons, ranks, the holders): TERM, then KILL.
+node_pids() {
+  local ns pid
+  for ns in $NAMESPACES; do
+    [ -e "/run/netns/$ns" ] && ip netns pids "$ns" 2>/dev/null
+  done
+  for pid in $PIDS; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done
+}
+mapfile -t pids < <(node_pids | sort -u)
+if [ "${#pids[@]}" -gt 0 ]; then
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for _ in $(seq 50); do
+    mapfile -t pids < <(node_pids | sort -u)
+    [ "${#pids[@]}" -eq 0 ] && break
+    sleep 0.1
+  done
+  if [ "${#pids[@]}" -gt 0 ]; then
+    log "killing ${pids[*]} (still running after 5 s)"
+    kill -KILL "${pids[@]}" 2>/dev/null
+    sleep 0.2
+  fi
+fi
+for ns in $NAMESPACES; do
+  [ -e "/run/netns/$ns" ] && { ip netns delete "$ns" || log "could not delete namespace $ns"; }
+done
+# The veth pairs go with their namespaces; remove any host end left over, then the bridge.
+while IFS='=' read -r key veth; do
+  [[ "$key" == VETH_* ]] && ip link show "$veth" >/dev/null 2>&1 && ip link delete "$veth"
+done < "$state/nodes.env"
+if [ -n "$BRIDGE" ] && ip link show "$BRIDGE" >/dev/null 2>&1; then
+  ip link delete "$BRIDGE" || log "could not delete bridge $BRIDGE"
+fi
+rm -rf "$state"
+log "removed $state"
