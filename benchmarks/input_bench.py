@@ -7,7 +7,8 @@ Each rank reads a per-rank batch of ``--batch`` rows of ``--features`` float32
 batches. The baseline slices the very same rows locally (``x[order[lo:hi]]``
 when shuffled, a view ``x[lo:hi]`` when not), with the same index arithmetic
 precomputed, so the difference is the dataset's own overhead: the iterator,
-the ``PerReplica`` wrapping, the prefetch thread hand-off. "+step" rows add a
+the ``PerReplica`` wrapping, the prefetch thread hand-off (prefetch 0, 2, and the
+default the rank chooses from its cores). "+step" rows add a
 small training-like step to both loops (an MLP forward pass,
 ``tanh(batch @ w1) @ w2`` with ``--hidden`` units), during which the prefetch
 thread gathers the next batch.
@@ -25,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist._input.pipeline import ArrayDataset, distribute_dataset
+from mpidist._input.prefetch import default_depth
 from mpidist._input.sharding import batch_rows, epoch_order
 from mpidist._distribute.strategy import MPIStrategy
 
@@ -70,7 +72,7 @@ def main() -> None:
                 compute(batch[0])
         return time.perf_counter() - start
 
-    def distributed(shuffle: bool, work: bool, prefetch: int, per_transfer: int) -> float:
+    def distributed(shuffle: bool, work: bool, prefetch: "int | None", per_transfer: int) -> float:
         dist = distribute_dataset(strategy, ArrayDataset((x, y), global_batch, shuffle=shuffle), prefetch=prefetch,
                                   steps_per_transfer=per_transfer)
         it = iter(dist)
@@ -93,7 +95,8 @@ def main() -> None:
               "| overhead (us/step) | ratio |")
         print("|---|---|---|---|---|---|---|")
     cases = [(shuffle, work, prefetch, 1) for shuffle in (True, False) for work in (False, True)
-             for prefetch in (0, 2)] + [(True, False, 0, 8), (True, False, 2, 8)]
+             for prefetch in (0, 2, None)] + [(True, False, 0, 8), (True, False, 2, 8)]
+    default = default_depth(strategy.communicator.backend, strategy.communicator.local_size)
     for shuffle, work, prefetch, per_transfer in cases:
         base, dist = [], []
         for _ in range(args.repeats):  # interleaved, so drifts hit both alike
@@ -102,7 +105,8 @@ def main() -> None:
         b, d = statistics.median(base), statistics.median(dist)
         if rank == 0:
             case = ("shuffled" if shuffle else "in order (views)") + (" +step" if work else "")
-            print(f"| {case} | {prefetch} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
+            shown = f"default ({default})" if prefetch is None else prefetch
+            print(f"| {case} | {shown} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
                   f"| {d / b:.2f} |", flush=True)
     strategy.free()
 
