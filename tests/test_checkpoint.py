@@ -455,3 +455,49 @@ def test_restore_refuses_other_files_than_regular_ones_on_every_rank(strategy, s
     assert (components(model["weights"]) == 0).all() and model["inputs"].position == 0
     with pytest.raises(mpidist.CheckpointError, match=expected):
         read_checkpoint(shared_dir)
+
+
+@pytest.mark.parametrize("node_size", [1, 2])
+def test_restore_reads_each_byte_once_per_node_and_gathers_within_it(shared_dir, monkeypatch, node_size):
+    """Ranks grouped into "nodes" of ``node_size``: each node's ranks read disjoint parts that together
+    cover every byte once, and the values arrive intact on every rank (host arrays in place)."""
+    strategy = mpidist.MPIStrategy(device="cpu", node_size=node_size)
+    try:
+        rank, size = strategy.rank, strategy.num_replicas_in_sync
+        with strategy.scope():
+            w = mpidist.Variable(np.arange(3000, dtype=np.float64) * (rank == 0), name="w")  # rank 0's is broadcast
+            m = mpidist.Variable(np.full((5, 7), 2, np.int32), name="m", synchronization="on_read",
+                                 aggregation="sum")
+        plain = np.arange(1000, dtype=np.int16)
+        Checkpoint(w=w, m=m, plain=plain).save(shared_dir, chunk_bytes=1024)
+        with strategy.scope():
+            w.assign(np.zeros(3000))
+            m.assign(np.zeros((5, 7), np.int32))
+        plain[...] = 0
+        component = np.asarray(w)
+        read: list[tuple[str, int, int]] = []
+        original = reader.Save.read
+
+        def recording(self, pieces, threads, verify=True):
+            read.extend((p.entry["name"], p.lo, p.hi) for p in pieces)
+            return original(self, pieces, threads, verify)
+
+        monkeypatch.setattr(reader.Save, "read", recording)
+        for _ in range(2):
+            Checkpoint(w=w, m=m, plain=plain).restore(shared_dir)
+            np.testing.assert_array_equal(w.numpy(), np.arange(3000, dtype=np.float64))
+            assert np.asarray(w) is component  # the component was filled in place
+            with strategy.scope():
+                np.testing.assert_array_equal(m.read_value(), np.full((5, 7), 2 * size, np.int32))
+            np.testing.assert_array_equal(plain, np.arange(1000, dtype=np.int16))
+        reads = strategy.comm.allgather(read[:len(read) // 2])  # the first restore's reads
+        group = node_size if node_size < size else size
+        sizes = {"w": 3000 * 8, "m": 35 * 4, "plain": 2000}
+        for first in range(0, size, group):
+            node = range(first, min(first + group, size))
+            for name, nbytes in sizes.items():
+                spans = sorted((lo, hi) for r in node for n, lo, hi in reads[r] if n == name and hi > lo)
+                assert spans[0][0] == 0 and spans[-1][1] == nbytes, (name, spans)
+                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (name, spans)  # disjoint, no gaps
+    finally:
+        strategy.free()

@@ -32,10 +32,13 @@ usable without MPI); this module adds the collective protocol:
    renames the directory into place (the commit), then prunes old saves.
 
 Restore reads and checks the manifest and the data files' types and sizes on
-rank 0, checks every item against it on every
-rank, lets each rank read and verify only its share of the chunks, agrees
-that all of that succeeded, and only then modifies anything: the shares are
-exchanged with one allgather per array and assigned. A failure on any rank
+rank 0, checks every item against it on every rank, lets each rank read and
+verify only its share of the chunks, agrees that all of that succeeded, and
+only then modifies anything. The shares are split among the ranks of each
+node, so every byte is read from the file system once per node, and
+exchanged by one allgather per array within the node (no byte crosses the
+network); a host array or mirrored component receives the allgather
+directly, with no further copy. A failure on any rank
 raises the same exception type on every rank (never a hang) and leaves
 every variable, array and iterator as it was.
 """
@@ -347,12 +350,17 @@ class Checkpoint:
         run.same(run.gather(descriptions, failure), "the checkpoint's items")
         arrays = [(kind, obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
         chunk_bytes = manifest["chunk_bytes"]
-        ranges = fmt.share_ranges([entry["nbytes"] for *_, entry in arrays], run.size, chunk_bytes)
-        shares = self._read_shares(run, directory, manifest, [entry for *_, entry in arrays], ranges)
+        node = run.comm.node()  # the ranks that share this node's memory: each byte is read once per node
+        ranges = fmt.share_ranges([entry["nbytes"] for *_, entry in arrays], node.size, chunk_bytes)
+        shares = self._read_shares(run, node.rank, directory, manifest, [entry for *_, entry in arrays], ranges)
         self._set_states(run, [(name, obj, entry) for name, kind, obj, entry in plan if kind == fmt.STATE])
-        # nothing can fail any more: exchange the shares and assign
+        # nothing can fail any more: exchange the shares within each node and assign
         for (kind, obj, entry), entry_ranges, share in zip(arrays, ranges, shares):
-            value = fmt.entry_array(entry, self._assemble(run, entry, entry_ranges, share, chunk_bytes))
+            target = _direct_target(strategy, kind, obj)
+            data = self._assemble(node, entry, entry_ranges, share, chunk_bytes, target)
+            if target is not None:
+                continue  # the allgather wrote the value in place
+            value = fmt.entry_array(entry, data)
             if kind == fmt.ARRAY:
                 obj[...] = value
             else:
@@ -375,12 +383,12 @@ class Checkpoint:
         reply = run.share(payload, failure)
         return Path(reply["dir"]), reply["manifest"]
 
-    def _read_shares(self, run: "_Protocol", directory: Path, manifest: dict, entries: list[dict],
+    def _read_shares(self, run: "_Protocol", share: int, directory: Path, manifest: dict, entries: list[dict],
                      ranges: list[list[tuple[int, int]]]) -> list[np.ndarray]:
-        """Collective: every rank reads and verifies its share of every entry; raises everywhere on failure."""
+        """Collective: every rank reads and verifies share ``share`` of every entry; raises everywhere on failure."""
         failure: Optional[BaseException] = None
         pieces = [fmt.Piece(entry, lo, hi) for entry, entry_ranges in zip(entries, ranges)
-                  for lo, hi in [entry_ranges[run.rank]]]
+                  for lo, hi in [entry_ranges[share]]]
         try:
             self._check_visible(directory, run.rank)
             with Save.at(directory, manifest) as save:
@@ -531,19 +539,23 @@ class Checkpoint:
                                   "must be on a file system shared by all ranks (not a node-local disk)")
 
     @staticmethod
-    def _assemble(run: _Protocol, entry: dict, shares: list[tuple[int, int]], mine: np.ndarray,
-                  chunk_bytes: int) -> np.ndarray:
-        """Collective: the entry's bytes on every rank, from each rank's share (contiguous, in rank order)."""
-        if run.size == 1:
-            return mine
+    def _assemble(comm: Any, entry: dict, shares: list[tuple[int, int]], mine: np.ndarray,
+                  chunk_bytes: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Collective over ``comm``: the entry's bytes on every rank, from each rank's share (contiguous, in
+        rank order); into ``out`` (``uint8``, the entry's size) when given."""
+        if comm.size == 1 or entry["nbytes"] == 0:
+            if out is None:
+                return mine
+            out[...] = mine
+            return out
         name = f"checkpoint entry {entry['name']!r}"
         if entry["nbytes"] <= _MAX_GATHER_BYTES:
-            return run.comm.allgather(mine, name=name)
+            return comm.allgather(mine, name=name, out=out)
         # in rounds: round k gathers every rank's k-th chunk
-        full = np.empty(entry["nbytes"], np.uint8)
+        full = np.empty(entry["nbytes"], np.uint8) if out is None else out
         rounds = max(fmt.chunk_count(hi - lo, chunk_bytes) for lo, hi in shares)
         for k in range(rounds):
-            got = run.comm.allgather(mine[k * chunk_bytes:(k + 1) * chunk_bytes], name=name)
+            got = comm.allgather(mine[k * chunk_bytes:(k + 1) * chunk_bytes], name=name)
             offset = 0
             for lo, hi in shares:
                 start = lo + k * chunk_bytes
@@ -551,6 +563,20 @@ class Checkpoint:
                 full[start:start + n] = got[offset:offset + n]
                 offset += n
         return full
+
+
+def _direct_target(strategy: "MPIStrategy", kind: str, obj: Any) -> Optional[np.ndarray]:
+    """The bytes a restored value can be gathered into directly (a host array item, or a mirrored variable's
+    host component, C-contiguous and writable), as a flat ``uint8`` view; else ``None``. Local."""
+    if kind == fmt.ARRAY:
+        array = obj
+    elif kind == fmt.MIRRORED:
+        array = strategy.update(obj, lambda component: component)
+    else:
+        return None  # a sync-on-read value is split over the ranks by assign
+    if not (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.flags.writeable):
+        return None
+    return array.reshape(-1).view(np.uint8)
 
 
 def _fingerprint(value: Any, threads: int) -> int:

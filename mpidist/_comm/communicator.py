@@ -242,13 +242,14 @@ class Communicator:
         self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error)
 
     def allreduce_many(self, arrays: Sequence[Any], op: Union[ReduceOp, str] = ReduceOp.SUM,
-                       names: Optional[Sequence[str]] = None) -> list[Any]:
-        """Collective: every array reduced by ``op``, as new arrays; the inputs are left as they are.
+                       names: Optional[Sequence[str]] = None, *, out: Optional[Sequence[Any]] = None) -> list[Any]:
+        """Collective: every array reduced by ``op``, as new arrays (or into ``out``); the inputs are left as they are.
 
         Small arrays share MPI calls through a reusable bucket; one agreement
-        record covers the whole list.
+        record covers the whole list. ``out`` (one array per input, of its
+        shape and dtype) is the form that allocates nothing in steady state.
         """
-        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), _names(names, len(arrays)))
+        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), _names(names, len(arrays)), out)
 
     def iallreduce_many(self, arrays: Sequence[Any], op: Union[ReduceOp, str] = ReduceOp.SUM,
                         names: Optional[Sequence[str]] = None,
