@@ -261,3 +261,19 @@ def test_reduce_accepts_sum_and_mean_aggregations_and_refuses_none(strategy):
             strategy.reduce("median", value)
         with pytest.raises(ValueError, match="no axis"):
             strategy.reduce("only_first_replica", value, axis=0)
+
+
+def test_reduce_into_out_allocates_nothing_and_refuses_a_wrong_out(strategy):
+    n, rank = strategy.num_replicas_in_sync, strategy.rank
+    values = [np.full((3, 2), rank + 1.0), np.arange(5, dtype=np.float32) * (rank + 1)]
+    out = [np.empty((3, 2)), np.empty(5, np.float32)]
+    total = sum(r + 1 for r in range(n))
+    for _ in range(2):
+        got = strategy.reduce("sum", values, out=out)
+        assert got[0] is out[0] and got[1] is out[1]
+        np.testing.assert_array_equal(out[0], np.full((3, 2), float(total)))
+        np.testing.assert_array_equal(out[1], np.arange(5, dtype=np.float32) * total)
+    wrong = [np.empty((3, 2)), np.empty(4, np.float32)] if rank == n - 1 else out
+    with pytest.raises((ValueError, md.CollectiveMismatchError), match=f"rank {n - 1}"):
+        strategy.reduce("mean", values, out=wrong)
+    np.testing.assert_array_equal(strategy.reduce("sum", np.ones(1)), [n])  # still usable

@@ -151,17 +151,24 @@ class Fusion:
             offset += send.size
 
     # -- reductions that return new arrays -------------------------------------------------
-    def allreduce_many(self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str]) -> list[Any]:
-        """Collective: every array reduced by ``op``, as new arrays; the inputs are left as they are.
+    def allreduce_many(self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str],
+                       out: Optional[Sequence[Any]] = None) -> list[Any]:
+        """Collective: every array reduced by ``op``, into ``out`` or new arrays; the inputs are left as they are.
 
-        The reduction runs as :meth:`reduce_apply` into one new array per
-        input: small arrays share MPI calls through the reusable bucket.
-        (Separate results rather than views of one large new buffer: memory
-        allocators recycle arrays of ordinary sizes, while a fresh buffer of
-        the whole size would be faulted in page by page on every call.)
+        The reduction runs as :meth:`reduce_apply` into one array per input:
+        small arrays share MPI calls through the reusable bucket. (Separate
+        results rather than views of one large new buffer: memory allocators
+        recycle arrays of ordinary sizes, while a fresh buffer of the whole
+        size would be faulted in page by page on every call.) ``out``, one
+        array per input of its shape and dtype, allocates nothing.
         """
-        results = [array_module(a).empty_like(a) for a in arrays]
-        self.reduce_apply(arrays, results, [op] * len(arrays), _assign, names)
+        error = None
+        if out is None:
+            results = [array_module(a).empty_like(a) for a in arrays]
+        else:
+            results = list(out)
+            error = _out_error(arrays, results, self._transport.rank)
+        self.reduce_apply(arrays, results, [op] * len(arrays), _assign, names, error=error)
         return results
 
     def iallreduce_many(self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str],
@@ -337,3 +344,16 @@ def _cast(carried: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if dtype.kind in "iu":
         return carried.astype(np.int64).astype(dtype)
     return carried.astype(dtype, copy=False)
+
+
+def _out_error(arrays: Sequence[Any], out: Sequence[Any], rank: int) -> Optional[Exception]:
+    """Local: why ``out`` cannot hold the reductions of ``arrays``, or ``None``."""
+    if len(out) != len(arrays):
+        return ValueError(f"rank {rank}: out= holds {len(out)} arrays for {len(arrays)} values")
+    for i, (a, o) in enumerate(zip(arrays, out)):
+        if getattr(o, "shape", None) != a.shape or getattr(o, "dtype", None) != a.dtype or not (
+                o.flags.c_contiguous and o.flags.writeable):
+            return ValueError(f"rank {rank}: out[{i}] must be a writable contiguous array of shape {tuple(a.shape)} "
+                              f"and dtype {a.dtype}, got {getattr(o, 'shape', type(o).__name__)} "
+                              f"{getattr(o, 'dtype', '')}")
+    return None

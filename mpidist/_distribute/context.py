@@ -136,13 +136,14 @@ class ReplicaContext:
         """
         return self.strategy.extended.merge_call(merge_fn, tuple(args), dict(kwargs or {}))
 
-    def all_reduce(self, reduce_op: Union[ReduceOp, "VariableAggregation", str], value: Any) -> Any:
+    def all_reduce(self, reduce_op: Union[ReduceOp, "VariableAggregation", str], value: Any, *, out: Any = None) -> Any:
         """Collective: reduce a nest of arrays across replicas; every replica gets the result.
 
         ``reduce_op`` is a ``ReduceOp``, a ``VariableAggregation`` or a name
         of either, as for ``strategy.reduce``. All arrays of the nest are
         reduced together; the result has the nest's structure with plain
         arrays, identical on every rank. A distributed value contributes
-        this rank's component.
+        this rank's component. ``out`` (a nest of arrays like ``value``)
+        receives the result without allocating, as in ``strategy.reduce``.
         """
-        return self.strategy.extended.reduce(reduce_op, value)
+        return self.strategy.extended.reduce(reduce_op, value, out=out)

@@ -103,7 +103,7 @@ class StrategyExtended:
         except ValueError as exc:
             raise ValueError(f"rank {self._comm.rank}: {exc}") from None
 
-    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None) -> Any:
+    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None, out: Any = None) -> Any:
         """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`.
 
         Every argument is checked before any collective; a problem on one rank
@@ -123,8 +123,13 @@ class StrategyExtended:
                 arrays = [self._prepared(op, x) for x in leaves]
             else:
                 arrays = [self._axis_sum(op, self.local(x), axis) for x in leaves]
+            if out is not None and (op is None or axis is not None):
+                raise ValueError(f"rank {self._comm.rank}: out= takes a SUM/MEAN/MIN/MAX/PROD reduction without axis")
         except (TypeError, ValueError) as exc:
             self._comm.fail(exc, "reduce")
+        if out is not None:  # into the caller's arrays: nothing allocated
+            return pack_sequence_as(value, self._comm.allreduce_many(
+                arrays, op, [f"reduce[{i}]" for i in range(len(arrays))], out=flatten(out)))
         if op is None:
             return pack_sequence_as(value, [self._comm.broadcast(a, root=0, name="reduce") for a in arrays])
         if axis is None and len(arrays) != 1:  # all leaves together: few MPI calls, one agreement record

@@ -127,7 +127,7 @@ class MPIStrategy:
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
 
     # -- cross-replica collectives -----------------------------------------------------------
-    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None) -> Any:
+    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None, *, out: Any = None) -> Any:
         """Collective: reduce ``value`` across replicas; the result is identical on every rank.
 
         ``reduce_op`` is a ``ReduceOp`` or a ``VariableAggregation`` (or the
@@ -140,9 +140,12 @@ class MPIStrategy:
         Returns plain arrays of the components' module. With ``axis``, each
         component is first reduced along that axis; ``MEAN`` is then the mean
         over all elements of the global batch, also when replicas hold
-        different numbers of elements.
+        different numbers of elements. ``out`` (a nest like ``value`` of
+        arrays shaped like its components, without ``axis``) receives the
+        result instead of new arrays: the form that allocates nothing in
+        steady state, for repeated reductions of the same layout.
         """
-        return self._extended.reduce(reduce_op, value, axis)
+        return self._extended.reduce(reduce_op, value, axis, out)
 
     def reduce_async(self, reduce_op: AnyReduceOp, value: Any) -> Handle:
         """Collective, nonblocking :meth:`reduce` (without ``axis``): returns a :class:`~mpidist.Handle`.
