@@ -195,7 +195,11 @@ def safety():
     if rank == away:
         errors["deadline"] = {"type": "stayed away"}
         write(f"rank{rank}.json", report)
-        time.sleep(timeout + 2)
+        # Stay until the others have reported: a rank that exits closes its connections, and
+        # Open MPI's TCP transport may then abort ranks still waiting for it.
+        end = time.monotonic() + timeout + 60
+        while time.monotonic() < end and len([n for n in os.listdir(out) if n.endswith(".json")]) < size:
+            time.sleep(0.1)
         os._exit(0)
     attempt("deadline", strategy.barrier)
     errors["deadline"]["elapsed"] = time.monotonic() - started
