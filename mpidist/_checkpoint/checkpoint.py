@@ -36,7 +36,8 @@ rank 0, checks every item against it on every rank, lets each rank read and
 verify only its share of the chunks, agrees that all of that succeeded, and
 only then modifies anything. The shares are split among the ranks of each
 node, so every byte is read from the file system once per node, and
-exchanged by one allgather per array within the node (no byte crosses the
+exchanged within the node (one broadcast from the rank that read an array, or one
+allgather when several ranks share it) (no byte crosses the
 network); a host array or mirrored component receives the allgather
 directly, with no further copy. A failure on any rank
 raises the same exception type on every rank (never a hang) and leaves
@@ -550,6 +551,12 @@ class Checkpoint:
             return out
         name = f"checkpoint entry {entry['name']!r}"
         if entry["nbytes"] <= _MAX_GATHER_BYTES:
+            owners = [r for r, (lo, hi) in enumerate(shares) if hi > lo]
+            if len(owners) == 1:  # one rank read it all (shares deal whole chunks): a broadcast
+                full = out if out is not None else np.empty(entry["nbytes"], np.uint8)
+                if comm.rank == owners[0]:
+                    full[...] = mine
+                return comm.broadcast(full, owners[0], name=name)
             return comm.allgather(mine, name=name, out=out)
         # in rounds: round k gathers every rank's k-th chunk
         full = np.empty(entry["nbytes"], np.uint8) if out is None else out
