@@ -317,3 +317,14 @@ def test_broadcast_bytes_from_every_root(any_comm, repeat):
 def test_broadcast_bytes_of_nothing(any_comm):
     assert any_comm.broadcast_bytes(b"" if any_comm.rank == 0 else b"ignored") == b""
     assert any_comm.broadcast_bytes(None) == b""
+
+
+def test_allgather_into_out_and_an_out_that_does_not_fit_on_one_rank(comm):
+    out = np.empty(2 * comm.size)
+    assert comm.allgather(np.full(2, float(comm.rank)), out=out) is out
+    np.testing.assert_array_equal(out, np.repeat(np.arange(comm.size, dtype=float), 2))
+    bad = comm.size - 1
+    wrong = np.empty(3) if comm.rank == bad else np.empty(2 * comm.size)
+    with pytest.raises((ValueError, CollectiveMismatchError), match=f"rank {bad}"):
+        comm.allgather(np.ones(2), out=wrong)
+    np.testing.assert_array_equal(comm.allreduce(np.ones(1)), [comm.size])  # still usable

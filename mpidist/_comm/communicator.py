@@ -29,7 +29,7 @@ from mpidist._comm.handle import Handle
 from mpidist._comm.hierarchy import node_split
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._comm.transport import Transport
-from mpidist._errors import CommError
+from mpidist._errors import CollectiveMismatchError, CommError
 from mpidist._options import Options
 
 __all__ = ["Communicator", "Handle", "duplicate_world"]
@@ -421,6 +421,8 @@ class Communicator:
             self._transport.run(f"{what} (lengths)", "Allgather", np.array([shape[0]], dtype=np.int64), lengths)
             counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            if out is not None:
+                self._check_gather_out(out, (int(lengths.sum()),) + shape[1:], array.dtype, name)
             result = out if out is not None else array_module(array).empty((int(lengths.sum()),) + shape[1:],
                                                                            dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
@@ -481,6 +483,20 @@ class Communicator:
         if blocking:
             return ticket.wait()
         return Handle(self._transport, ticket, keep=keep)
+
+    def _check_gather_out(self, out: Any, shape: tuple, dtype: Any, name: str) -> None:
+        """Collective: every rank's ``out=`` of an allgather fits the result, or every rank raises."""
+        fits = (getattr(out, "shape", None) == shape and getattr(out, "dtype", None) == dtype
+                and out.flags.c_contiguous and out.flags.writeable)
+        bad = np.array([0 if fits else self.rank + 1], dtype=np.int64)
+        self._transport.run(f"allgather of {name!r} (out=)", "Allreduce", MPI.IN_PLACE, bad, MPI.MAX)
+        if not fits:
+            raise ValueError(f"rank {self.rank}: allgather of {name!r}: out= must be a writable contiguous array of "
+                             f"shape {shape} and dtype {dtype}, got {getattr(out, 'shape', type(out).__name__)} "
+                             f"{getattr(out, 'dtype', '')}")
+        if bad[0]:
+            raise CollectiveMismatchError(f"rank {self.rank}: allgather of {name!r}: rank {int(bad[0]) - 1} (at least) "
+                                          "passed an out= that does not fit the result; nothing was gathered")
 
     def _out_error(self, array: Any, out: Any, name: str) -> Optional[Exception]:
         if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
