@@ -62,6 +62,11 @@ slurm_launch() {
     srun)
       local plugin=pmi2
       [ "$flavour" = openmpi ] && plugin=pmix
+      # MPICH's UCX over TCP has failed to start ("invalid bandwidth") on one node under srun;
+      # one node needs only shared memory, so use that unless the site chose its transports.
+      if [ "$flavour" = mpich ] && [ "${SLURM_JOB_NUM_NODES:-1}" = 1 ] && [ -z "${UCX_TLS:-}" ]; then
+        export UCX_TLS=self,sm
+      fi
       launch=(srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}" --kill-on-bad-exit=1) ;;
     mpiexec)
       load_mpi_env "$flavour"
