@@ -15,6 +15,7 @@ run in cache-sized pieces; many arrays reduce together through
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 import numpy as np
@@ -27,6 +28,7 @@ from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.fusion import Fusion, UpdateFn
 from mpidist._comm.handle import Handle
 from mpidist._comm.hierarchy import node_split
+from mpidist._comm.library import library_version
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._comm.transport import Transport
 from mpidist._errors import CollectiveMismatchError, CommError
@@ -76,6 +78,8 @@ class Communicator:
         self.size: int = self._comm.size
         self.local_rank: int = self._node.rank
         self.local_size: int = self._node.size
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._transport.yield_while_waiting = self.local_size > cores and "mpich" in library_version().lower()
         self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
         self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self.cuda_aware = self.cuda_awareness.enabled

@@ -55,6 +55,9 @@ class Transport:
         self.seq = 0  # number of the collective in progress (the last one begun)
         self.broken: Optional[str] = None
         self.hierarchy = Hierarchy(comm, options.node_size) if options.hierarchical else None
+        # Give the core up between tests while waiting (set by the communicator, measured per MPI:
+        # with more ranks than cores it pays under MPICH; Open MPI's progress does better spinning).
+        self.yield_while_waiting = False
         self._query_id = 0
 
     def free(self) -> None:
@@ -130,9 +133,15 @@ class Transport:
                 raise CommError(f"rank {self.rank}: MPI error in {what}: {exc.Get_error_string()}") from exc
             return
         start = time.perf_counter()
-        while time.perf_counter() - start < _SPIN:
-            if request.Test():
-                return
+        if self.yield_while_waiting:  # the ranks we wait for may need this core: give it up between tests
+            while time.perf_counter() - start < _SPIN:
+                os.sched_yield()
+                if request.Test():
+                    return
+        else:
+            while time.perf_counter() - start < _SPIN:
+                if request.Test():
+                    return
         begun = time.monotonic()
         deadline, warn_at = begun + timeout, begun + min(timeout / 2, _STALL)
         what = str(what)  # the description, built only on this slow path
