@@ -294,3 +294,18 @@ def test_exact_metrics_copy_values_and_state_once_per_update(strategy, device_le
     result = mean.result()
     want = sum(0.6 * (q + 1) for q in range(n)) / (3 * n)
     assert abs(float(result) - want) < 1e-15
+
+
+def test_doctor_gpu_rows_and_transfer_path(comm):
+    """The doctor's per-rank GPU rows and the CUDA-aware line, from device arrays, with no implicit host copy."""
+    from mpidist._tools.doctor import collect, diagnose, format_report
+
+    report = collect(device="gpu")
+    if comm.rank == 0:
+        text = format_report(report, diagnose(report))
+        assert all(r["gpu"] is not None for r in report["ranks"]), report["ranks"]
+        assert report["cuda_aware"] == comm.cuda_aware and report["cuda_aware_reason"] == comm.cuda_awareness.reason
+        assert f"CUDA-aware MPI  {'yes' if comm.cuda_aware else 'no'}: {comm.cuda_awareness.reason}" in text, text
+        assert "arrays" in text and "CuPy" in text, text
+    else:
+        assert report is None
