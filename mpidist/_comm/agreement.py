@@ -53,7 +53,7 @@ from mpidist._errors import (
     format_ranks,
 )
 
-__all__ = ["Agreement", "Call", "FLOATS", "Kind", "SMALL", "Ticket", "validate"]
+__all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate"]
 
 # dtype chars MPI can move.
 DTYPES = "?bhilqBHILQefdFD"
@@ -198,9 +198,6 @@ class Ticket:
         """The call, in words (for messages)."""
         return self.call.describe()
 
-    def __str__(self) -> str:
-        return self.call.describe()
-
     def test(self) -> bool:
         """Local: complete the agreement if its reduction has arrived (may raise its error)."""
         if not self.done and self._agreement.transport.test([self._agreement.request]):
@@ -210,7 +207,7 @@ class Ticket:
     def wait(self) -> Any:
         """Local: block until the ranks agreed (honouring the deadline); returns what ``then`` returned."""
         if not self.done:
-            self._agreement.transport.poll(self._agreement.request, self)
+            self._agreement.transport.poll(self._agreement.request, self.call)
             self._agreement.settle(self)
         if self.failure is not None:
             raise self.failure

@@ -19,17 +19,7 @@ from mpi4py import MPI
 import mpidist
 from mpidist._checkpoint import format as fmt
 from mpidist._checkpoint.checkpoint import Checkpoint
-
-
-class Position:
-    def __init__(self) -> None:
-        self.position = 0
-
-    def get_state(self) -> dict:
-        return {"position": self.position}
-
-    def set_state(self, state: dict) -> None:
-        self.position = state["position"]
+from resumable import Position
 
 
 def main(directory: str, kill_at: str) -> int:

@@ -24,21 +24,9 @@ import numpy as np
 
 import mpidist
 from mpidist._checkpoint.checkpoint import Checkpoint
+from resumable import Position
 
 ELEMENTS = 4 << 20  # 16 MiB of float32, written in 1 MiB chunks
-
-
-class Position:
-    """The smallest iterator-like object: a global position, the same on every rank."""
-
-    def __init__(self) -> None:
-        self.position = 0
-
-    def get_state(self) -> dict:
-        return {"position": self.position}
-
-    def set_state(self, state: dict) -> None:
-        self.position = state["position"]
 
 
 def die(*_args, **_kwargs):
