@@ -190,13 +190,9 @@ for ((k = 0; k < count; k++)); do
 done
 trap - ERR
 
-owner="${MPIDIST_NODES_OWNER_PID:-}"
-if [ -n "$owner" ]; then
-  down="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/nodes-down.sh"
-  setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -f "$2/nodes.env" ]; do sleep 1; done
-                  [ -f "$2/nodes.env" ] && exec bash "$3" "$2"' watchdog "$owner" "$state" "$down" \
-    </dev/null >>"$state/watchdog.log" 2>&1 &
-  echo $! > "$state/watchdog.pid"
-fi
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=watchdog.sh
+source "$here/watchdog.sh"
+start_watchdog "${MPIDIST_NODES_OWNER_PID:-}" "$state" nodes.env "$here/nodes-down.sh"
 log "$count nodes up (${names[*]} on $subnet, bridge $bridge $bridge_addr), state in $state"
 echo "export MPIDIST_NODES_DIR=$state"

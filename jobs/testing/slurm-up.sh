@@ -181,13 +181,9 @@ for _ in $(seq 300); do
 done
 [ -n "$ok" ] || { log "the node did not become idle within 30 s"; false; }
 trap - ERR
-owner="${MPIDIST_SLURM_OWNER_PID:-}"
-if [ -n "$owner" ]; then
-  down="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/slurm-down.sh"
-  setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -f "$2/slurm.conf" ]; do sleep 1; done
-                  [ -f "$2/slurm.conf" ] && exec bash "$3" "$2"' watchdog "$owner" "$state" "$down" \
-    </dev/null >>"$state/watchdog.log" 2>&1 &
-  echo $! > "$state/watchdog.pid"
-fi
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=watchdog.sh
+source "$here/watchdog.sh"
+start_watchdog "${MPIDIST_SLURM_OWNER_PID:-}" "$state" slurm.conf "$here/slurm-down.sh"
 log "cluster up: nodes ${node_list}, ${cpus} CPUs and ${gpus} GPUs each, state in ${state}"
 echo "export SLURM_CONF=${state}/slurm.conf"
