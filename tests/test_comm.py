@@ -235,13 +235,17 @@ def _ranks(ranks: list) -> str:
 
 
 def test_checks_off_still_reduce_correctly():
-    c = Communicator(MPI.COMM_WORLD, Options(check_collectives=False, timeout=None))
+    c = Communicator(MPI.COMM_WORLD, Options(check_collectives=False, timeout=None, pipeline_bytes=8192))
     for _ in range(2):
         np.testing.assert_array_equal(c.allreduce(contribution(c.rank, (5,), "int64")),
                                       expected("sum", c.size, (5,), "int64"))
         np.testing.assert_array_equal(c.allgather(np.full(c.rank + 1, c.rank)),
                                       np.repeat(np.arange(c.size), np.arange(1, c.size + 1)))
         c.barrier()
+        for op in ("sum", "mean"):  # nonblocking, also in pieces
+            a = contribution(c.rank, (3000,), "float64")
+            handle = c.iallreduce(a, op)
+            np.testing.assert_allclose(handle.wait(), expected(op, c.size, (3000,), "float64"))
     with pytest.raises(TypeError, match="C-contiguous"):  # the local check stays on
         c.allreduce(np.ones((2, 2))[:, 0])
     c.free()

@@ -319,7 +319,8 @@ class Communicator:
                 if op is ReduceOp.MEAN:
                     target[...] /= self.size
                 return target
-            return self._reduce_data(array, target, op, name, blocking)
+            result = self._reduce_data(array, target, op, name, blocking)
+            return result if blocking else Handle(self._transport, None, result, keep=(array, out))
         if blocking:
             if error is None:
                 carried = agreement.agree_array(Kind.ALLREDUCE, name, op, array, self.options.check_finite)
