@@ -9,19 +9,28 @@ interleaved sample by sample so that they see the same machine load:
   off), gloo's ``all_reduce``.
 - ``pieces``: mpidist's allreduce of 16, 64 and 256 MiB with different
   ``pipeline_bytes`` (one call: no pieces).
-- ``update``: a mirrored variable's replica-context MEAN ``assign_add`` (8 B
-  to 256 MiB) against raw ``Allreduce(IN_PLACE)`` + divide, and the same +
-  the update a user writes by hand; also ``batch_update(..., in_place=True)``;
-  peak memory of the update (tracemalloc).
+- ``memory``: this machine's memory bandwidth, every rank at once (a copy
+  and an add of the largest buffer): the floor the update rows are read against.
+- ``update``: a mirrored variable's replica-context MEAN update (8 B to 256 MiB):
+  ``assign_add``, ``batch_update`` (also ``in_place=True``), with every check
+  off, against the hand loop ``Allreduce(g, tmp); tmp *= 1/N; w += tmp`` and
+  the raw ``Allreduce`` alone (and the same loop on gloo); peak memory of the
+  update (tracemalloc).
 - ``resnet50``: the parameter shapes of ResNet-50 (161 float32 arrays,
-  25,557,032 values): one raw call per array (with and without the divide and
-  update), one raw call on a flat buffer, mpidist's fused ``batch_update``
-  (flat variables and gradients, also ``in_place``; ordinary arrays), one ``assign_add`` per
-  variable, the fused ``strategy.reduce`` of the list, gloo per array.
+  25,557,032 values): one raw in-place call per array, the hand loop per
+  array, one raw call on a flat buffer, mpidist's fused ``batch_update``
+  (flat variables and gradients, also ``in_place``; ordinary arrays), one
+  ``assign_add`` per variable, ``strategy.reduce`` of the list (new arrays,
+  and ``out=``), ``ReplicaContext.all_reduce`` with ``out=``, gloo per array.
 - ``fusion``: the ResNet-50 fused update of ordinary arrays for several
   ``fusion_bytes``.
 - ``overlap``: a nonblocking 64 MiB reduction started before a computation
   that makes no MPI call: how much of it is left for ``wait()``.
+- ``safety``: an 8-byte allreduce and update with the safety settings off,
+  one at a time, and on (the default).
+- ``profile``: the 8-byte mirrored update through each layer in turn (the
+  agreement alone, the communicator's allreduce, its fused reduce-and-apply,
+  ``assign_add``), default settings: where its microseconds go.
 
 Every number is the median over ``--repeats`` samples of the slowest rank's
 time; a sample times enough iterations to last about 20 ms. Writes
@@ -45,6 +54,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist._comm.library import library_version
+from mpidist._comm.reduce_op import ReduceOp
+from mpidist._distribute.context import get_replica_context
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.variables import Variable, VariableAggregation
 from mpidist._tools.bench_report import write_reports
@@ -192,43 +203,56 @@ def bench_pieces(bench: _Bench, max_bytes: int) -> None:
         s.free()
 
 
+def _hand_loop(comm: MPI.Intracomm, g: np.ndarray, tmp: np.ndarray, w: np.ndarray) -> Callable[[], None]:
+    """The mean update a user writes by hand: ``Allreduce(g, tmp)``, ``tmp *= 1/N``, ``w += tmp`` (``g`` untouched)."""
+    scale = 1 / comm.size
+
+    def step() -> None:
+        comm.Allreduce(g, tmp, MPI.SUM)
+        np.multiply(tmp, scale, out=tmp)
+        w.__iadd__(tmp)
+    return step
+
+
+def bench_memory(bench: _Bench, max_bytes: int) -> None:
+    """Memory bandwidth of this machine, every rank at once: a copy and an add of ``max_bytes`` arrays."""
+    n = max(1, min(max_bytes, 256 * _MIB) // 4)
+    a, b = np.ones(n, np.float32), np.zeros(n, np.float32)
+    times = bench.compare("memory", str(n * 4), {"copy": _repeat(lambda: np.copyto(b, a)),
+                                                  "add": _repeat(lambda: np.add(b, a, out=b))})
+    bench.note("memory", str(n * 4), copy_GBps=2 * n * 4 / times["copy"] / 1e9,
+               add_GBps=3 * n * 4 / times["add"] / 1e9)
+
+
 def bench_update(bench: _Bench, strategies: dict[str, MPIStrategy], max_bytes: int) -> None:
     torch = _torch()
     n = bench.size
-    for nbytes in [b for b in (8, 4096, _MIB, 64 * _MIB, 256 * _MIB) if b <= max_bytes]:
+    for nbytes in [b for b in (8, 4096, _MIB, 4 * _MIB, 16 * _MIB, 64 * _MIB, 256 * _MIB) if b <= max_bytes]:
         grad = np.zeros(nbytes // 4, np.float32)
-        work = np.zeros_like(grad)
+        tmp = np.zeros_like(grad)
         weight = np.zeros_like(grad)
         with strategies["check"].scope():
             v = Variable(np.zeros_like(grad), aggregation=VariableAggregation.MEAN, name=f"update{nbytes}")
         with strategies["nocheck"].scope():
             w = Variable(np.zeros_like(grad), aggregation=VariableAggregation.MEAN, name=f"update{nbytes}")
-
-        def raw_divide() -> None:
-            bench.comm.Allreduce(MPI.IN_PLACE, work, MPI.SUM)
-            np.divide(work, n, out=work)
-
-        def raw_user() -> None:
-            raw_divide()
-            weight.__iadd__(work)
-
-        variants = {"raw_allreduce": _repeat(lambda: bench.comm.Allreduce(MPI.IN_PLACE, work, MPI.SUM)),
-                    "raw_allreduce_divide": _repeat(raw_divide), "raw_user_update": _repeat(raw_user),
-                    "mpidist": _in_replica(strategies["check"], lambda: v.assign_add(grad)),
-                    "mpidist_nocheck": _in_replica(strategies["nocheck"], lambda: w.assign_add(grad)),
-                    "mpidist_in_place": _in_replica(strategies["check"], lambda: strategies["check"].batch_update(
-                        [(v, grad)], in_place=True))}
+        check = strategies["check"]
+        variants = {"raw_allreduce": _repeat(lambda: bench.comm.Allreduce(grad, tmp, MPI.SUM)),
+                    "hand_loop": _repeat(_hand_loop(bench.comm, grad, tmp, weight)),
+                    "mpidist": _in_replica(check, lambda: v.assign_add(grad)),
+                    "mpidist_batch_update": _in_replica(check, lambda: check.batch_update([(v, grad)])),
+                    "mpidist_in_place": _in_replica(check, lambda: check.batch_update([(v, grad)], in_place=True)),
+                    "mpidist_nocheck": _in_replica(strategies["nocheck"], lambda: w.assign_add(grad))}
         if bench.dist is not None:
-            tensor, target = torch.from_numpy(work), torch.from_numpy(weight)
+            tensor, target = torch.from_numpy(tmp), torch.from_numpy(weight)
 
-            def gloo_user() -> None:
+            def gloo_hand_loop() -> None:
                 bench.dist.all_reduce(tensor)
                 tensor.div_(n)
                 target.add_(tensor)
-            variants["gloo_user_update"] = _repeat(gloo_user)
+            variants["gloo_hand_loop"] = _repeat(gloo_hand_loop)
         bench.compare("update", str(nbytes), variants)
-        bench.note("update", str(nbytes), peak_extra_bytes=_peak_growth(strategies["check"], v, grad),
-                   pipeline_bytes=strategies["check"].options.pipeline_bytes)
+        bench.note("update", str(nbytes), peak_extra_bytes=_peak_growth(check, v, grad),
+                   pipeline_bytes=check.options.pipeline_bytes)
 
 
 def bench_safety(bench: _Bench) -> None:
@@ -241,13 +265,7 @@ def bench_safety(bench: _Bench) -> None:
     variants.update({name: _repeat(lambda s=s: s.communicator.allreduce(x, out=out)) for name, s in strategies.items()})
     bench.compare("safety", "allreduce_8B", variants)
     tmp, weight = np.empty(1), np.zeros(1)
-
-    def hand_loop() -> None:
-        bench.comm.Allreduce(x, tmp, MPI.SUM)
-        np.multiply(tmp, 1 / bench.size, out=tmp)
-        weight.__iadd__(tmp)
-
-    updates = {"hand_loop": _repeat(hand_loop)}
+    updates = {"hand_loop": _repeat(_hand_loop(bench.comm, x, tmp, weight))}
     for name, s in strategies.items():
         with s.scope():
             v = Variable(np.zeros(1), aggregation=VariableAggregation.MEAN, name="safety")
@@ -255,6 +273,24 @@ def bench_safety(bench: _Bench) -> None:
     bench.compare("safety", "update_8B", updates)
     for s in strategies.values():
         s.free()
+
+
+def bench_profile(bench: _Bench, strategy: MPIStrategy) -> None:
+    """Where the time of an 8-byte mirrored MEAN update goes: the same update through each layer, default settings."""
+    comm = strategy.communicator
+    x, out, tmp, weight = np.ones(1), np.empty(1), np.empty(1), np.zeros(1)
+    with strategy.scope():
+        v = Variable(np.zeros(1), aggregation=VariableAggregation.MEAN, name="profile")
+    add = lambda target, reduced: target.__iadd__(reduced)  # noqa: E731
+    bench.compare("profile", "update_8B", {
+        "raw_allreduce": _repeat(lambda: bench.comm.Allreduce(x, out, MPI.SUM)),
+        "hand_loop": _repeat(_hand_loop(bench.comm, x, tmp, weight)),
+        "agreement": _repeat(comm.barrier),
+        "communicator_allreduce": _repeat(lambda: comm.allreduce(x, "mean", out=out)),
+        "communicator_reduce_apply": _repeat(lambda: comm.reduce_apply((x,), (weight,), (ReduceOp.MEAN,), add,
+                                                                        ("profile",))),
+        "assign_add": _in_replica(strategy, lambda: v.assign_add(x)),
+    })
 
 
 def _peak_growth(strategy: MPIStrategy, v: Any, grad: np.ndarray) -> int:
@@ -273,26 +309,22 @@ def _peak_growth(strategy: MPIStrategy, v: Any, grad: np.ndarray) -> int:
 
 def bench_resnet(bench: _Bench, strategies: dict[str, MPIStrategy]) -> None:
     torch = _torch()
-    n = bench.size
     shapes = resnet50_shapes()
     raw_grads = [np.zeros(s, np.float32) for s in shapes]
+    raw_tmps = [np.zeros(s, np.float32) for s in shapes]
     raw_weights = [np.zeros(s, np.float32) for s in shapes]
+    hand_loops = [_hand_loop(bench.comm, g, t, w) for g, t, w in zip(raw_grads, raw_tmps, raw_weights)]
     flat = np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)
-
-    def raw_per_array_update() -> None:
-        for g, w in zip(raw_grads, raw_weights):
-            bench.comm.Allreduce(MPI.IN_PLACE, g, MPI.SUM)
-            g /= n
-            w += g
-
-    with strategies["flat"].scope():
+    check, flat_strategy = strategies["check"], strategies["flat"]
+    with flat_strategy.scope():
         flat_vars = [Variable(np.zeros(s, np.float32), aggregation=VariableAggregation.MEAN, name=f"flat{i}")
                      for i, s in enumerate(shapes)]
-    flat_grads = strategies["flat"].flat_zeros_like(flat_vars)
-    with strategies["check"].scope():
+    flat_grads = flat_strategy.flat_zeros_like(flat_vars)
+    with check.scope():
         plain_vars = [Variable(np.zeros(s, np.float32), aggregation=VariableAggregation.MEAN, name=f"plain{i}")
                       for i, s in enumerate(shapes)]
     plain_grads = [np.zeros(s, np.float32) for s in shapes]
+    reduced = [np.empty_like(g) for g in plain_grads]
 
     def per_variable() -> None:
         for v, g in zip(plain_vars, plain_grads):
@@ -300,16 +332,18 @@ def bench_resnet(bench: _Bench, strategies: dict[str, MPIStrategy]) -> None:
 
     variants = {
         "raw_per_array": _repeat(lambda: [bench.comm.Allreduce(MPI.IN_PLACE, g, MPI.SUM) for g in raw_grads]),
-        "raw_per_array_update": _repeat(raw_per_array_update),
+        "hand_loop_per_array": _repeat(lambda: [step() for step in hand_loops]),
         "raw_flat_one_call": _repeat(lambda: bench.comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)),
-        "mpidist_fused_flat": _in_replica(strategies["flat"], lambda: strategies["flat"].batch_update(
+        "mpidist_batch_update_flat": _in_replica(flat_strategy, lambda: flat_strategy.batch_update(
             zip(flat_vars, flat_grads))),
-        "mpidist_fused_flat_in_place": _in_replica(strategies["flat"], lambda: strategies["flat"].batch_update(
+        "mpidist_batch_update_flat_in_place": _in_replica(flat_strategy, lambda: flat_strategy.batch_update(
             zip(flat_vars, flat_grads), in_place=True)),
-        "mpidist_fused_arrays": _in_replica(strategies["check"], lambda: strategies["check"].batch_update(
-            zip(plain_vars, plain_grads))),
-        "mpidist_per_variable": _in_replica(strategies["check"], per_variable),
-        "mpidist_reduce_list": _repeat(lambda: strategies["check"].reduce("mean", plain_grads)),
+        "mpidist_batch_update": _in_replica(check, lambda: check.batch_update(zip(plain_vars, plain_grads))),
+        "mpidist_per_variable": _in_replica(check, per_variable),
+        "mpidist_reduce_list": _repeat(lambda: check.reduce("mean", plain_grads)),
+        "mpidist_reduce_list_out": _repeat(lambda: check.reduce("mean", plain_grads, out=reduced)),
+        "mpidist_all_reduce_out": _in_replica(check, lambda: get_replica_context().all_reduce(
+            "mean", plain_grads, out=reduced)),
     }
     if bench.dist is not None:
         tensors = [torch.from_numpy(g) for g in raw_grads]
@@ -367,7 +401,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results", help="directory for results.json, results.md, busbw.png")
     parser.add_argument("--repeats", type=int, default=7, help="samples per measurement (median reported)")
     parser.add_argument("--max-bytes", type=int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
-    parser.add_argument("--cases", default="sweep,pieces,update,resnet50,fusion,overlap,safety",
+    parser.add_argument("--cases", default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile",
                         help="comma-separated subset of the cases")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) baseline")
 
@@ -384,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
         bench_sweep(bench, strategies, args.max_bytes)
     if "pieces" in cases:
         bench_pieces(bench, args.max_bytes)
+    if "memory" in cases:
+        bench_memory(bench, args.max_bytes)
     if "update" in cases:
         bench_update(bench, strategies, args.max_bytes)
     if "resnet50" in cases:
@@ -394,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
         bench_overlap(bench, strategies["nocheck"], args.max_bytes)
     if "safety" in cases:
         bench_safety(bench)
+    if "profile" in cases:
+        bench_profile(bench, strategies["check"])
     meta = {"ranks": bench.size, "mpi": library_version(),
             "python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
             "machine": platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),

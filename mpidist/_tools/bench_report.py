@@ -51,11 +51,33 @@ def _sweep_row(nbytes: int, e: dict[str, Any], ranks: int) -> list[str]:
             _ratio(gloo, m), f"{_busbw(nbytes, m, ranks):.2f}"]
 
 
-def _update_row(nbytes: int, e: dict[str, Any]) -> list[str]:
-    m, base = median(e, "mpidist"), median(e, "raw_allreduce_divide")
-    times = [_t(median(e, name)) for name in ("raw_allreduce", "raw_allreduce_divide", "raw_user_update", "mpidist",
-                                              "mpidist_nocheck", "mpidist_in_place", "gloo_user_update")]
-    return [human_size(nbytes), *times, _ratio(m, base), human_size(e["peak_extra_bytes"])]
+# Bytes each update moves through memory per float32 element, outside MPI: the fused update reads the
+# gradient and reads and writes the weight (its pieces stay in cache); the hand loop also writes the
+# full-size temporary, reads and writes it to scale it, and reads it again to add it.
+_FUSED_BYTES, _HAND_LOOP_BYTES = 12, 28
+
+
+def _update_row(nbytes: int, e: dict[str, Any], add_gbps: Optional[float]) -> list[str]:
+    hand, m, batch = median(e, "hand_loop"), median(e, "mpidist"), median(e, "mpidist_batch_update")
+    floor = None if add_gbps is None else nbytes // 4 * _FUSED_BYTES / (add_gbps * 1e9)
+    times = [_t(median(e, name)) for name in ("raw_allreduce", "hand_loop", "mpidist", "mpidist_batch_update",
+                                              "mpidist_in_place", "mpidist_nocheck", "gloo_hand_loop")]
+    return [human_size(nbytes), *times, _ratio(m, hand), _ratio(batch, hand), _t(floor), _ratio(m, floor),
+            human_size(e["peak_extra_bytes"])]
+
+
+def _layers(e: dict[str, Any]) -> list[list[str]]:
+    """Rows of the profile: each layer's time and what it adds to the one before (the hand loop for reference)."""
+    rows, before = [], None
+    for name in e:
+        t = median(e, name)
+        if t is None:
+            continue
+        added = "" if before is None or name == "hand_loop" else _t(t - before)
+        rows.append([name, _t(t), added])
+        if name != "hand_loop":
+            before = t
+    return rows
 
 
 def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
@@ -75,18 +97,28 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
                       ["size", *(human_size(int(p)) if p.isdigit() else "one call" for p in names)],
                       ([human_size(nbytes), *(_t(median(e, p)) for p in names)]
                        for nbytes, e in _by_size(results["pieces"])))
+    add_gbps = None
+    for nbytes, e in _by_size(results.get("memory", {})):
+        add_gbps = e["add_GBps"]
+        out += ["", "## Memory bandwidth (every rank at once)", "",
+                f"{human_size(nbytes)} arrays: copy {e['copy_GBps']:.1f} GB/s, add {e['add_GBps']:.1f} GB/s "
+                "(bytes read and written per second, per rank)."]
     if "update" in results:
         out += _table("Mirrored MEAN update (`v.assign_add(g)` in replica context)",
-                      ["size", "raw Allreduce", "raw + divide", "raw + divide + update", "mpidist",
-                       "mpidist, check off", "mpidist, in place", "gloo + divide + update",
-                       "mpidist / (raw + divide)", "peak extra memory"],
-                      (_update_row(nbytes, e) for nbytes, e in _by_size(results["update"])))
-    for case, title, base in (("resnet50", "ResNet-50 parameter shapes (161 float32 arrays, 97.5 MiB)",
-                               "raw_per_array"),
-                              ("fusion", "fusion_bytes (ResNet-50 fused update of ordinary arrays)", "0")):
+                      ["size", "raw Allreduce", "hand loop", "mpidist", "batch_update", "batch_update, in place",
+                       "mpidist, check off", "gloo hand loop", "mpidist / hand loop", "batch_update / hand loop",
+                       "floor", "mpidist / floor", "peak extra memory"],
+                      (_update_row(nbytes, e, add_gbps) for nbytes, e in _by_size(results["update"])))
+        out += ["", f"Memory traffic outside MPI, bytes per element: mpidist {_FUSED_BYTES} (reads the gradient, "
+                f"reads and writes the weight, a piece at a time), the hand loop {_HAND_LOOP_BYTES} (it also "
+                "writes, scales and reads a full-size temporary). floor: mpidist's bytes at the measured add "
+                "bandwidth, with no communication at all."]
+    for case, title, bases in (("resnet50", "ResNet-50 parameter shapes (161 float32 arrays, 97.5 MiB)",
+                                ("hand_loop_per_array", "raw_per_array")),
+                               ("fusion", "fusion_bytes (ResNet-50 fused update of ordinary arrays)", ("0",))):
         for e in results.get(case, {}).values():
-            out += _table(title, ["variant", "time", f"vs {base}"],
-                          ([name, _t(median(e, name)), _ratio(median(e, name), median(e, base))]
+            out += _table(title, ["variant", "time", *(f"vs {base}" for base in bases)],
+                          ([name, _t(median(e, name)), *(_ratio(median(e, name), median(e, base)) for base in bases)]
                            for name, v in e.items() if isinstance(v, dict)))
     names = {"all_off": "every check off", "check_only": "check only", "deadline_only": "deadline only",
              "default": "default (check + deadline)"}
@@ -97,6 +129,10 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
             out += _table(title, ["variant", "time", "vs every check off", f"vs {base}"],
                           ([names.get(name, name), _t(median(e, name)), _ratio(median(e, name), median(e, "all_off")),
                             _ratio(median(e, name), median(e, base))] for name in e))
+    profile = results.get("profile", {}).get("update_8B")
+    if profile:
+        out += _table("Where an 8-byte mirrored update's time goes (default settings)",
+                      ["layer", "time", "added by this layer"], _layers(profile))
     for nbytes, e in _by_size(results.get("overlap", {})):
         out += ["", "## Nonblocking: progress during computation", "",
                 f"{human_size(nbytes)}: blocking allreduce {_t(median(e, 'blocking'))}; started with `iallreduce`, "
