@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from mpidist._input.pipeline import (
     run_steps_on_dataset,
 )
 from mpidist._distribute.metrics import Accuracy, Mean, Sum
-from mpidist._input.sharding import batch_plan, epoch_order
+from mpidist._input.sharding import batch_plan, epoch_order, num_steps
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.values import PerReplica
 
@@ -313,8 +314,6 @@ def test_files_of_unequal_shares_warn_with_the_number_dropped(strategy):
     files = FileDataset(sorted(contents), contents.__getitem__)
     shares = [4 * len(range(rank, 10, n)) for rank in range(n)]  # at 3 ranks: 16, 12, 12
     dropped = sum(shares) - n * min(shares)
-    import warnings
-
     for drop_remainder in (None, True):
         dist = distribute_dataset(strategy, files, drop_remainder=drop_remainder)
         with warnings.catch_warnings(record=True) as record:
@@ -325,7 +324,8 @@ def test_files_of_unequal_shares_warn_with_the_number_dropped(strategy):
         messages = _drop_warnings(record)
         if dropped and drop_remainder is None:
             assert len(messages) == 1, messages
-            assert f"rank {r}: mpidist dropped {dropped} element(s) of epoch 0" in messages[0]
+            here = shares[r] - min(shares)  # at 3 ranks: rank 0's file 9
+            assert f"rank {r}: mpidist dropped {dropped} element(s) of epoch 0 ({here} on this rank)" in messages[0]
             assert "file sharding" in messages[0] and "drop_remainder=True" in messages[0]
         else:
             assert messages == []
@@ -334,8 +334,6 @@ def test_files_of_unequal_shares_warn_with_the_number_dropped(strategy):
 @pytest.mark.parametrize("make", [lambda k: list(range(k)), NoLen])
 def test_element_streams_warn_with_the_number_dropped(strategy, make):
     r, n = world()
-    import warnings
-
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         got = [int(x.get()) for x in distribute_dataset(strategy, make(3 * n + 2))]
@@ -345,10 +343,10 @@ def test_element_streams_warn_with_the_number_dropped(strategy, make):
     assert fn == [0, 1, 2, 3]
     messages = _drop_warnings(record)
     expected = []
-    if (3 * n + 2) % n:
-        expected.append(f"dropped {(3 * n + 2) % n} element(s)")
-    if n > 1:
-        expected.append(f"dropped {sum(range(n))} element(s)")  # dataset_fn: rank q read q more
+    if (3 * n + 2) % n:  # the last, incomplete group: element 3n + r would have been rank r's
+        expected.append(f"dropped {(3 * n + 2) % n} element(s) of epoch 0 ({int(r < (3 * n + 2) % n)} on this rank)")
+    if n > 1:  # dataset_fn: rank q read q more
+        expected.append(f"dropped {sum(range(n))} element(s) of epoch 0 ({r} on this rank)")
     assert len(messages) == len(expected), messages
     for message, text in zip(messages, expected):
         assert text in message and message.startswith(f"rank {r}: ")
@@ -376,6 +374,104 @@ def test_files_shard_by_element_when_too_few_files(strategy, policy):
     if count < n:
         with pytest.raises(ValueError, match=f"{count} files for {n} ranks"):
             distribute_dataset(strategy, files, shard_policy="file")
+
+
+# -- 4b. batched files: exact by default --------------------------------------------------
+
+
+def _ten_files_of_four():
+    contents = {f"f{i}": [np.array([i, j]) for j in range(4)] for i in range(10)}
+    return contents, sorted(contents)
+
+
+def _real_rows(element, remainder):
+    """The records of one step's batch on this rank, as (file, record) pairs: padding rows left out."""
+    batch = element[0].get()[element[1].get()] if remainder == "mask" else element.get()
+    return [tuple(int(v) for v in row) for row in batch.reshape(-1, 2)]
+
+
+@pytest.mark.parametrize("remainder", ["partial", "mask"])
+@pytest.mark.parametrize("per_rank", [1, 3])
+@pytest.mark.parametrize("prefetch,steps_per_transfer", [(0, 1), (2, 3)])
+def test_batched_files_visit_every_record_once_in_equal_steps(strategy, remainder, per_rank, prefetch,
+                                                              steps_per_transfer):
+    r, n = world()
+    contents, names = _ten_files_of_four()  # at 3 ranks: 16, 12 and 12 records
+    files = FileDataset(names, contents.__getitem__, global_batch_size=per_rank * n, remainder=remainder)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dist = distribute_dataset(strategy, files, prefetch=prefetch, steps_per_transfer=steps_per_transfer)
+        steps = list(dist)
+    seen = [row for e in steps for row in _real_rows(e, remainder)]
+    widths = [len(e[1].get()) if remainder == "mask" else len(e.get()) for e in steps]
+    everyone = MPI.COMM_WORLD.allgather((len(steps), seen))  # collective, after the iteration
+    shares = [4 * len(range(rank, 10, n)) for rank in range(n)]
+    assert dist.shard_policy == "file"
+    assert {count for count, _ in everyone} == {max(-(-share // per_rank) for share in shares)}
+    assert sorted(row for _, rows in everyone for row in rows) == [(i, j) for i in range(10) for j in range(4)]
+    assert seen == [(i, j) for i in range(r, 10, n) for j in range(4)]  # this rank's files, in order
+    if remainder == "mask":
+        assert set(widths) == {per_rank}
+    else:
+        full, last = divmod(shares[r], per_rank)
+        assert widths == [per_rank] * full + [last] * (last > 0) + [0] * (len(steps) - full - (last > 0))
+    assert _drop_warnings(record) == []
+
+
+@pytest.mark.parametrize("remainder", ["partial", "mask", "drop"])
+def test_batched_files_by_record_split_each_global_batch(strategy, remainder):
+    r, n = world()
+    contents, names = _ten_files_of_four()
+    files = FileDataset(names, contents.__getitem__, global_batch_size=3 * n, remainder=remainder)
+    dist = distribute_dataset(strategy, files, shard_policy="element")
+    steps = list(dist)
+    seen = [row for e in steps for row in _real_rows(e, "mask" if remainder == "mask" else "partial")]
+    everyone = MPI.COMM_WORLD.allgather((len(steps), seen))
+    stream = [(i, j) for i in range(10) for j in range(4)]
+    kept = stream if remainder != "drop" else stream[:len(stream) // (3 * n) * 3 * n]
+    assert dist.shard_policy == "element"
+    assert {count for count, _ in everyone} == {num_steps(40, 3 * n, 0, remainder)}
+    assert sorted(row for _, rows in everyone for row in rows) == sorted(kept)
+    assert seen == [row for lo, hi, _ in batch_plan(40, 3 * n, r, n, remainder=remainder) for row in stream[lo:hi]]
+
+
+def test_batched_files_drop_when_asked_without_a_warning(strategy):
+    r, n = world()
+    contents, names = _ten_files_of_four()
+    files = FileDataset(names, contents.__getitem__, global_batch_size=3 * n, remainder="drop")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        steps = list(distribute_dataset(strategy, files))
+    everyone = MPI.COMM_WORLD.allgather(len(steps))
+    shares = [4 * len(range(rank, 10, n)) for rank in range(n)]
+    assert everyone == [min(share // 3 for share in shares)] * n
+    assert [_real_rows(e, "partial") for e in steps] == [
+        [(i, j) for i in range(r, 10, n) for j in range(4)][3 * s:3 * s + 3] for s in range(len(steps))]
+    assert _drop_warnings(record) == []
+    with pytest.raises(ValueError, match="its own remainder="):
+        distribute_dataset(strategy, files, drop_remainder=True)
+
+
+def test_batched_files_resume_at_the_same_number_of_ranks(strategy):
+    contents, names = _ten_files_of_four()
+    dist = distribute_dataset(strategy, FileDataset(names, contents.__getitem__, global_batch_size=MPI.COMM_WORLD.size))
+    it = iter(dist)
+    first = [_real_rows(next(it), "partial") for _ in range(5)]
+    state = json.loads(json.dumps(it.get_state()))
+    rest = [_real_rows(e, "partial") for e in dist.iterator_from_state(state)]
+    assert state["kind"] == "file batches" and state["global_batch_size"] == MPI.COMM_WORLD.size
+    assert first + rest == [_real_rows(e, "partial") for e in dist]
+
+
+def test_batched_files_need_a_record_on_every_rank(strategy):
+    r, n = world()
+    contents = {f"f{i}": [] if i == n - 1 else [np.array([i, 0])] for i in range(n)}  # the last rank's file is empty
+    files = FileDataset(sorted(contents), contents.__getitem__, global_batch_size=n)
+    if n == 1:
+        assert list(distribute_dataset(strategy, files)) == []
+        return
+    with pytest.raises(RuntimeError, match=f"rank {r}: rank {n - 1} read no record in epoch 0"):
+        list(distribute_dataset(strategy, files))
 
 
 # -- 5. prefetch --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mpidist._input import prefetch as _prefetch
-from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
+from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext, RecordBatches
 from mpidist._distribute.metrics import WIDTH, exact_decode, exact_encode, exact_sum
 from mpidist._distribute.metrics import _as_float
 from mpidist._input.sharding import (
@@ -230,6 +230,51 @@ def test_file_dataset_reads_files_in_epoch_order():
     with pytest.raises(TypeError, match="single path"):
         FileDataset("f0", contents.__getitem__)
 
+
+def test_batched_file_dataset_serial_batches():
+    contents = {f"f{i}": [{"x": np.full(2, i * 10 + j), "y": j} for j in range(i + 1)] for i in range(4)}  # 10 records
+    ys = [j for i in range(4) for j in range(i + 1)]
+    batches = list(FileDataset(list(contents), contents.__getitem__, global_batch_size=4))  # "partial" by default
+    assert [b["y"].tolist() for b in batches] == [ys[0:4], ys[4:8], ys[8:10]]
+    assert batches[0]["x"].shape == (4, 2)
+    masked = list(FileDataset(list(contents), contents.__getitem__, global_batch_size=4, remainder="mask"))
+    assert all(b["y"].shape == (4,) for b, _ in masked)
+    assert masked[-1][0]["y"][masked[-1][1]].tolist() == ys[8:10] and masked[-1][1].tolist() == [True, True, False, False]
+    dropped = list(FileDataset(list(contents), contents.__getitem__, global_batch_size=4, remainder="drop"))
+    assert [b["y"].tolist() for b in dropped] == [ys[0:4], ys[4:8]]
+    with pytest.raises(ValueError, match="pass global_batch_size too"):
+        FileDataset(list(contents), contents.__getitem__, remainder="mask")
+    with pytest.raises(ValueError, match="remainder must be one of"):
+        FileDataset(list(contents), contents.__getitem__, global_batch_size=4, remainder="pad")
+
+
+@pytest.mark.parametrize("rank,size", PAIRS)
+@pytest.mark.parametrize("remainder", ["partial", "mask", "drop"])
+def test_record_batches_share_each_group_once(rank, size, remainder):
+    records, group = list(range(23)), 2 * size
+    shares = []
+    for pick in range(size):
+        batches = RecordBatches(group, pick, size, remainder, group // size)
+        steps = [element for chunk in batches.chunks(iter(records), 3) for element, _ in chunk.steps()]
+        shares.append([b[0][b[1]].tolist() if remainder == "mask" else b.tolist() for b in steps])
+    kept = records if remainder != "drop" else records[:len(records) // group * group]
+    assert sorted(x for share in shares for step in share for x in step) == kept
+    assert {len(share) for share in shares} == {num_steps(len(records), group, 0, remainder)}
+    assert shares[rank] == [records[lo:hi] for lo, hi, _ in batch_plan(len(records), group, rank, size,
+                                                                       remainder=remainder)]
+
+
+def test_record_batches_filler_has_the_records_structure():
+    batches = RecordBatches(2, 0, 1, "partial", 2)
+    with pytest.raises(ValueError, match="no record has been read"):
+        batches.filler(1)
+    list(batches.chunks(iter([(np.zeros(3, np.float32), 1)]), 1))
+    (x, y), = [element for element, _ in batches.filler(1).steps()]
+    assert x.shape == (0, 3) and x.dtype == np.float32 and y.shape == (0,)
+    masked = RecordBatches(2, 0, 1, "mask", 2)
+    list(masked.chunks(iter([np.ones(3)]), 1))
+    steps = masked.filler(2).steps()
+    assert [(e[0].shape, e[1].tolist(), advance) for e, advance in steps] == [((2, 3), [False, False], 0)] * 2
 
 # -- ArrayDataset (serial iteration, chunks) -----------------------------------------------------
 

@@ -19,6 +19,7 @@ from mpidist._comm.backend import array_module, is_device_array
 from mpidist._distribute.nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
 from mpidist._input.sharding import (
     batch_plan,
+    batch_rows,
     check_count,
     check_rank,
     check_remainder,
@@ -27,7 +28,7 @@ from mpidist._input.sharding import (
     per_replica_batch_size,
 )
 
-__all__ = ["ArrayDataset", "Chunk", "FileDataset", "InputContext"]
+__all__ = ["ArrayDataset", "Chunk", "FileDataset", "InputContext", "RecordBatches"]
 
 
 class InputContext:
@@ -109,9 +110,8 @@ class ArrayDataset:
         check_remainder(remainder)
         self._arrays = arrays
         self._leaves = leaves
-        pack = functools.partial(pack_sequence_as, arrays)
-        self._pack = pack
-        self._pack_masked = lambda leaves: (pack(leaves[:-1]), leaves[-1])
+        self._pack = functools.partial(pack_sequence_as, arrays)
+        self._pack_masked = _masked(self._pack)
         self._n = paths[0][1]
         self.global_batch_size = check_count("global_batch_size", global_batch_size, 1)
         self.shuffle = bool(shuffle)
@@ -194,6 +194,11 @@ class ArrayDataset:
         return Chunk(advances, pack=self._pack_masked, leaves=leaves + [np.concatenate(masks)], bounds=bounds)
 
 
+def _masked(pack: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
+    """``pack`` for leaves whose last one is the mask: ``(pack(leaves[:-1]), mask)``."""
+    return lambda leaves: (pack(leaves[:-1]), leaves[-1])
+
+
 def _read_only(view: Any) -> Any:
     """``view`` (a fresh view of the user's array) made read-only where NumPy allows it."""
     if type(view) is np.ndarray:
@@ -209,28 +214,50 @@ def _take(leaf: Any, index: np.ndarray) -> Any:
 
 
 class FileDataset:
-    """Elements read from a list of files: ``reader(path)`` yields the elements of one file.
+    """Records read from a list of files: ``reader(path)`` yields the records of one file.
 
     Iterating it directly reads every file in the epoch's order (serial use).
     :func:`distribute_dataset` shares the files out by file when there are
-    at least as many files as ranks, else by element (``shard_policy``).
+    at least as many files as ranks, else by record (``shard_policy``).
+
+    Without ``global_batch_size`` each step is one record per rank (an
+    element stream). With it, records are stacked into batches as an
+    :class:`ArrayDataset`'s rows are: ``global_batch_size`` records per step
+    over all replicas, ``global_batch_size / N`` per rank.
 
     Args:
         files: paths (str or ``os.PathLike``).
-        reader: called with one path, returns an iterable of elements.
+        reader: called with one path, returns an iterable of records (each a
+            number, an array or a nest of them, all of the same structure).
+        global_batch_size: records per step, over all replicas; ``None``
+            (default): no batching.
+        remainder: with ``global_batch_size``, what to do with the records
+            that do not fill a last batch (on each rank, when sharding by
+            file): read them as ``"partial"`` (smaller) batches (default),
+            pad those batches and yield ``(batch, mask)`` for every step
+            (``"mask"``), or ``"drop"`` them. With ``"partial"`` or
+            ``"mask"`` every record is read exactly once per epoch.
         shuffle: visit the files in :func:`epoch_order` ``(seed, epoch)``.
         seed: non-negative int, the same on every rank.
         epoch: the epoch the next ``iter()`` reads; see :meth:`set_epoch`.
     """
 
     def __init__(self, files: Sequence[Union[str, "os.PathLike[str]"]], reader: Callable[[str], Iterable[Any]], *,
+                 global_batch_size: Optional[int] = None, remainder: Optional[str] = None,
                  shuffle: bool = False, seed: int = 0, epoch: int = 0) -> None:
         if isinstance(files, (str, bytes, os.PathLike)):
             raise TypeError(f"FileDataset needs a list of paths, got the single path {files!r}: pass [path]")
         self.files = [os.fspath(f) for f in files]
         if not callable(reader):
             raise TypeError(f"FileDataset: reader must be callable (path -> iterable), got {type(reader).__name__}")
+        if global_batch_size is None and remainder is not None:
+            raise ValueError(f"FileDataset: remainder={remainder!r} applies to batches; pass global_batch_size too")
         self.reader = reader
+        self.global_batch_size = None if global_batch_size is None else check_count(
+            "global_batch_size", global_batch_size, 1)
+        self.remainder = None if global_batch_size is None else remainder or "partial"
+        if self.remainder is not None:
+            check_remainder(self.remainder)
         self.shuffle = bool(shuffle)
         self.seed = check_count("seed", seed)
         self.epoch = check_count("epoch", epoch)
@@ -245,16 +272,84 @@ class FileDataset:
         return [self.files[i] for i in order]
 
     def read(self, files: Iterable[str]) -> Iterator[Any]:
-        """The elements of ``files``, file after file."""
+        """The records of ``files``, file after file."""
         for path in files:
             yield from self.reader(path)
 
     def __iter__(self) -> Iterator[Any]:
-        return self.read(self.epoch_files())
+        records = self.read(self.epoch_files())
+        if self.global_batch_size is None:
+            return records
+        batches = RecordBatches(self.global_batch_size, 0, 1, self.remainder, self.global_batch_size)
+        return (element for chunk in batches.chunks(records, 1) for element, _ in chunk.steps())
 
     def __repr__(self) -> str:
-        return f"FileDataset({len(self.files)} files, shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch})"
+        batching = ("" if self.global_batch_size is None else
+                    f", global_batch_size={self.global_batch_size}, remainder={self.remainder!r}")
+        return (f"FileDataset({len(self.files)} files{batching}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"epoch={self.epoch})")
 
+
+class RecordBatches:
+    """Batches of a stream of records: each step reads ``group`` records and takes share ``pick`` of
+    ``parts`` of them (:func:`batch_rows`), stacked along a new first axis. Local.
+
+    With ``remainder="mask"`` every batch is padded to ``width`` rows with
+    records of its group and comes with a mask (``False`` on padding); with
+    ``"drop"`` a last, incomplete group is skipped. ``template`` is a record
+    seen last, from which :meth:`filler` builds batches when this rank has
+    no records left.
+    """
+
+    def __init__(self, group: int, pick: int, parts: int, remainder: str, width: int) -> None:
+        check_rank(pick, parts)
+        check_remainder(remainder)
+        self.group, self.pick, self.parts, self.remainder = group, pick, parts, remainder
+        self.width = width if remainder == "mask" else None
+        self.template: Any = None
+
+    def chunks(self, records: Iterator[Any], steps: int) -> Iterator["Chunk"]:
+        """Chunks of up to ``steps`` batches read from ``records``; the last chunk has fewer."""
+        while True:
+            shares, advances = [], []
+            for _ in range(steps):
+                block = list(itertools.islice(records, self.group))
+                if not block or (len(block) < self.group and self.remainder == "drop"):
+                    break
+                self.template = block[0]
+                lo, hi = batch_rows(0, len(block), self.group, self.pick, self.parts)
+                shares.append((block[lo:hi], block))
+                advances.append(len(block))
+            if shares:
+                yield self._stack(shares, advances)
+            if len(shares) < steps:
+                return
+
+    def filler(self, steps: int) -> "Chunk":
+        """``steps`` batches without a record: empty (``"partial"``) or all padding (``"mask"``).
+
+        ``ValueError`` when no record has been read yet (their shapes are unknown).
+        """
+        if self.template is None:
+            raise ValueError("no record has been read, so the shapes of an empty batch are unknown")
+        return self._stack([([], [self.template])] * steps, [0] * steps)
+
+    def _stack(self, shares: list[tuple[list[Any], list[Any]]], advances: list[int]) -> "Chunk":
+        """One array per leaf holding the batches of every step: ``(share, pool)`` each, padded from ``pool``."""
+        rows, masks, bounds = [], [], []
+        for share, pool in shares:
+            pad = [] if self.width is None else [pool[i % len(pool)] for i in range(self.width - len(share))]
+            bounds.append((len(rows), len(rows) + len(share) + len(pad)))
+            rows += share + pad
+            masks += [True] * len(share) + [False] * len(pad)
+        if rows:
+            leaves = [np.stack(column) for column in zip(*(flatten(row) for row in rows))]
+        else:
+            leaves = [np.asarray(leaf)[np.newaxis][:0] for leaf in flatten(self.template)]
+        pack = functools.partial(pack_sequence_as, self.template)
+        if self.width is None:
+            return Chunk(advances, pack=pack, leaves=leaves, bounds=bounds)
+        return Chunk(advances, pack=_masked(pack), leaves=leaves + [np.array(masks, dtype=bool)], bounds=bounds)
 
 
 class Chunk:

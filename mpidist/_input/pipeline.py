@@ -9,7 +9,8 @@ share of every step:
   first dimension and a *global* batch size ``B``) each step's ``B`` rows are
   split into ``B / N`` rows per rank, shuffled by ``(seed, epoch)`` without
   communication. Over a :class:`FileDataset` the files are shared out by file
-  when there are at least ``N`` of them, else the elements are.
+  when there are at least ``N`` of them, else the records are; with a
+  ``global_batch_size`` its records are stacked into batches.
 - :func:`distribute_datasets_from_function` calls your function with an
   :class:`InputContext` on every rank and iterates what it returns.
 - :func:`run_steps_on_dataset` runs several steps per call and records
@@ -17,14 +18,18 @@ share of every step:
 
 Every rank runs the same number of steps. When the number is known on every
 rank without communication (``len()`` of the dataset, array datasets), no
-collective is made. Otherwise ranks agree with one small allreduce (MIN of
-the number of steps each rank has ready, a 0-d int64) per *chunk* of steps
+collective is made. Otherwise ranks agree with one small allreduce (the
+minimum and maximum of the steps each rank has ready: three int64) per *chunk* of steps
 (``steps_per_transfer``, default 1): the latency of one small allreduce
 (and of the strategy's metadata check, ``check_collectives``) per chunk;
 larger chunks divide that cost. A rank whose source raises tells the others through the
-same allreduce, so they raise too instead of waiting. Elements past the last
-step that every rank has are dropped; each rank warns once with how many
-(``drop_remainder=True`` drops them silently).
+same allreduce, so they raise too instead of waiting. Element streams drop
+the elements past the last step that every rank has; each rank warns once
+with how many, on that rank and in total (``drop_remainder=True`` drops them
+silently). Batched file datasets are exact instead (unless their
+``remainder`` is ``"drop"``): the ranks run the most steps any rank has, and
+a rank whose records ran out reads empty (``"partial"``) or all-padding
+(``"mask"``) batches in the last ones, so every record is read once.
 
 Elements arrive as nests of :class:`~mpidist.PerReplica` holding arrays of
 the strategy's array module (NumPy, or CuPy on the rank's GPU); numbers
@@ -54,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext, Chunk
+from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext, Chunk, RecordBatches
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._input.sharding import (
     SHARD_POLICIES,
@@ -111,7 +116,9 @@ class _ArraySource:
     kind = "array"
     global_position = True
     collective_length = False
-    dropped = 0  # the remainder is the dataset's own, explicit choice
+    exact = False  # every rank knows the number of steps
+    warn_drops = False  # the remainder is the dataset's own, explicit choice
+    dropped = dropped_here = 0
 
     def __init__(self, dataset: ArrayDataset, rank: int, size: int, auto_shard: bool) -> None:
         self._dataset, self._rank, self._size, self._auto_shard = dataset, rank, size, auto_shard
@@ -146,6 +153,8 @@ class _StreamSource:
     """
 
     seed = 0
+    exact = False  # ranks that have more steps than others drop them
+    warn_drops = True
 
     def __init__(self, kind: str, stream: Callable[[int], Iterable[Any]], length: Callable[[], Optional[int]],
                  group: int, pick: int, rank: int, *, global_position: bool = True,
@@ -164,8 +173,22 @@ class _StreamSource:
         self.dropped = max(0, total - offset) % self._group
         return max(0, total - offset) // self._group
 
+    @property
+    def dropped_here(self) -> int:
+        """Of ``dropped`` (a global source's last, incomplete group), the elements that were this rank's: 0 or 1."""
+        return int(self._pick < self.dropped)
+
     def chunks(self, epoch: int, offset: int, steps: int, length: Optional[int], seed: int) -> Iterator[Chunk]:
         """Opens the epoch's stream now (errors are raised here, in the caller's thread), reads it lazily."""
+        data = self._open(epoch)
+        if length is not None and _is_sequence(data):
+            elements: Iterator[Any] = (data[offset + s * self._group + self._pick] for s in range(length))
+        else:
+            elements = self._walk(iter(data), offset, length)
+        return self._blocks(elements, steps)
+
+    def _open(self, epoch: int) -> Iterable[Any]:
+        """The epoch's iterable; ``RuntimeError`` for a one-shot iterator read before."""
         data = self._stream(epoch)
         if iter(data) is data:
             if data is self._opened:
@@ -175,11 +198,7 @@ class _StreamSource:
                     "after close()). Pass a re-iterable object instead: a list, an object whose __iter__ "
                     "returns a new iterator, an ArrayDataset or a FileDataset")
             self._opened = data
-        if length is not None and _is_sequence(data):
-            elements: Iterator[Any] = (data[offset + s * self._group + self._pick] for s in range(length))
-        else:
-            elements = self._walk(iter(data), offset, length)
-        return self._blocks(elements, steps)
+        return data
 
     def _blocks(self, elements: Iterator[Any], steps: int) -> Iterator[Chunk]:
         while True:
@@ -190,7 +209,7 @@ class _StreamSource:
                 return
 
     def _walk(self, it: Iterator[Any], offset: int, length: Optional[int]) -> Iterator[Any]:
-        next(itertools.islice(it, offset, offset), None)  # skip the elements before the position
+        _skip(it, offset)
         produced = 0
         while length is None or produced < length:
             group = list(itertools.islice(it, self._group))
@@ -216,6 +235,46 @@ class _StreamSource:
                 f"ranks; a rank-local position only restores at the same number of ranks, not {num_replicas}. "
                 "Use an ArrayDataset or element sharding (shard_policy='element') for positions that restore "
                 "on any number of ranks")
+
+
+class _BatchSource(_StreamSource):
+    """Batches of a :class:`FileDataset` with a global batch size, stacked by :class:`RecordBatches`.
+
+    The position is in records: this rank's (by file, rank-local) or all
+    ranks' (by record, global). Unless the remainder is ``"drop"`` the source
+    is ``exact``: ranks run the most steps any rank has, the others reading
+    empty or all-padding batches (:meth:`filler`) in the last ones.
+    """
+
+    warn_drops = False  # exact, or dropping by the dataset's own remainder='drop'
+
+    def __init__(self, kind: str, stream: Callable[[int], Iterable[Any]], batches: RecordBatches,
+                 global_batch_size: int, rank: int, *, global_position: bool) -> None:
+        super().__init__(kind, stream, lambda: None, 1, 0, rank, global_position=global_position)
+        self._batches, self._global_batch_size = batches, global_batch_size
+        self.exact = batches.remainder != "drop"
+
+    def chunks(self, epoch: int, offset: int, steps: int, length: Optional[int], seed: int) -> Iterator[Chunk]:
+        records = iter(self._open(epoch))
+        _skip(records, offset)
+        return self._batches.chunks(records, steps)
+
+    def filler(self, steps: int) -> Chunk:
+        """``steps`` batches without records, for the last steps of a rank whose records ran out."""
+        return self._batches.filler(steps)
+
+    @property
+    def has_template(self) -> bool:
+        """Whether a record was read, from which :meth:`filler` takes the batches' structure."""
+        return self._batches.template is not None
+
+    def state(self) -> dict[str, Any]:
+        return {"global_batch_size": self._global_batch_size, "remainder": self._batches.remainder}
+
+
+def _skip(it: Iterator[Any], count: int) -> None:
+    """Advance ``it`` by ``count`` elements (fewer if it ends): the elements before a position."""
+    next(itertools.islice(it, count, count), None)
 
 
 def _epoch_stream(data: Any) -> Callable[[int], Iterable[Any]]:
@@ -265,7 +324,7 @@ class DistributedDataset:
                  steps_per_transfer: int, epoch: int, drop_remainder: Optional[bool] = None) -> None:
         self._strategy, self._source = strategy, source
         self.shard_policy = shard_policy
-        self._warn_drops = not drop_remainder
+        self._warn_drops = source.warn_drops and not drop_remainder
         communicator = strategy.communicator
         self.prefetch = (default_depth(communicator.backend, communicator.local_size) if prefetch is None
                          else check_count("prefetch", prefetch))
@@ -292,15 +351,16 @@ class DistributedDataset:
                             "iterating it (its dataset has no len(), or ranks read different data)")
         return steps
 
-    def _report_dropped(self, dropped: int, epoch: int) -> None:
-        """Warn, once per dataset, that ``dropped`` elements (over all ranks) were read by no rank. Local."""
-        if dropped > 0 and self._warn_drops:
+    def _report_dropped(self, here: int, total: int, epoch: int) -> None:
+        """Warn, once per dataset, that ``total`` elements (``here`` of them this rank's) were dropped. Local."""
+        if total > 0 and self._warn_drops:
             self._warn_drops = False
             warnings.warn(
-                f"rank {self._strategy.rank}: mpidist dropped {dropped} element(s) of epoch {epoch} so that all "
-                f"{self._strategy.num_replicas_in_sync} ranks run the same number of steps ({self.shard_policy} "
-                "sharding). Pass drop_remainder=True to drop them without this warning, or read the data as an "
-                "ArrayDataset with remainder='partial' or 'mask' to see every element", UserWarning, stacklevel=4)
+                f"rank {self._strategy.rank}: mpidist dropped {total} element(s) of epoch {epoch} ({here} on this "
+                f"rank) so that all {self._strategy.num_replicas_in_sync} ranks run the same number of steps "
+                f"({self.shard_policy} sharding). Pass drop_remainder=True to drop them without this warning; to "
+                "see every element, read the data as an ArrayDataset with remainder='partial' or 'mask', or as a "
+                "FileDataset with a global_batch_size", UserWarning, stacklevel=4)
 
     def iterator_from_state(self, state: dict[str, Any]) -> "DistributedIterator":
         """A new iterator positioned at ``state`` (from :meth:`DistributedIterator.get_state`). Local."""
@@ -408,19 +468,14 @@ class DistributedIterator:
                 chunk = self._pipe.get()
             except Exception:
                 if self._length is None:  # tell the other ranks, which would wait in the agreement
-                    self._agree(-1 - self._rank, "steps ready")
+                    self._exchange_steps(-1 - self._rank)
                 raise
-            if chunk is not None and self._converter.needs_finish(chunk):
-                chunk = chunk.map_leaves(self._converter.finish)
-            steps = [] if chunk is None else chunk.steps()
+            steps = [] if chunk is None else self._finish(chunk).steps()
             count = len(steps)
             if self._length is None:
-                count = self._agree(count, "steps ready")
-                if count < 0:
-                    self.close()
-                    raise RuntimeError(
-                        f"rank {self._rank}: the input pipeline of rank {-1 - count} failed (epoch {self._epoch}, "
-                        f"offset {self._offset}); its error is raised there. Stopping here too, so no rank waits")
+                count = self._agree_steps(count)
+                if count > len(steps):
+                    steps += self._fill(count - len(steps))
                 self._final = count < self._dataset.steps_per_transfer
                 self._dropped += len(steps) - count
             elif chunk is None:
@@ -432,21 +487,24 @@ class DistributedIterator:
 
     def _end_epoch(self) -> None:
         """Close, then warn about dropped elements. Collective for rank-local sources (files,
-        ``dataset_fn``): each rank reads the rest of its share to count it, and one allreduce sums
-        the counts (every rank ends the epoch at the same step)."""
-        dropped = self._source.dropped if self._source.global_position else self._dropped
-        if not self._source.global_position and self._pipe is not None and self._dataset._warn_drops:
-            try:
-                while (chunk := self._pipe.get()) is not None:
-                    dropped += len(chunk)
-            except Exception:
-                self._agree(0, "elements dropped", ReduceOp.SUM)  # join the others' count, then fail here
-                raise
+        ``dataset_fn``) that warn: each rank reads the rest of its share to count it, and one
+        allreduce sums the counts (every rank ends the epoch at the same step)."""
+        if self._source.global_position:
+            here, total = self._source.dropped_here, self._source.dropped
+        else:
+            here = total = self._dropped
         if not self._source.global_position and self._dataset._warn_drops:
-            dropped = self._agree(dropped, "elements dropped", ReduceOp.SUM)
+            if self._pipe is not None:
+                try:
+                    while (chunk := self._pipe.get()) is not None:
+                        here += len(chunk)
+                except Exception:
+                    self._agree(0, "elements dropped", ReduceOp.SUM)  # join the others' count, then fail here
+                    raise
+            total = self._agree(here, "elements dropped", ReduceOp.SUM)
         self.close()
         self._done = True
-        self._dataset._report_dropped(dropped, self._epoch)
+        self._dataset._report_dropped(here, total, self._epoch)
 
     def _start(self) -> None:
         length = self._source.length(self._epoch, self._offset)
@@ -460,6 +518,54 @@ class DistributedIterator:
                                      self._seed)
         prepare = self._converter.prepare if self._converter.staging else None
         self._pipe = Prefetcher(chunks, prepare, self._dataset.prefetch)
+
+    def _finish(self, chunk: Chunk) -> Chunk:
+        """``chunk`` (prepared by the prefetch thread) with its leaves on the strategy's backend. Local."""
+        return chunk.map_leaves(self._converter.finish) if self._converter.needs_finish(chunk) else chunk
+
+    def _fill(self, count: int) -> list[tuple[Any, int]]:
+        """``count`` steps without records, for an exact source whose records on this rank ran out. Local."""
+        filler = self._source.filler(count)
+        if self._converter.staging:
+            filler = filler.map_leaves(self._converter.prepare)
+        return self._finish(filler).steps()
+
+    def _agree_steps(self, count: int) -> int:
+        """Collective: the number of steps every rank takes next, this rank having ``count`` ready.
+
+        The minimum over ranks for sources that drop, the maximum for exact
+        ones. ``RuntimeError`` on every rank when some rank's pipeline failed,
+        or when an exact source needs empty batches from a rank that has read
+        no record (it does not know their shapes).
+        """
+        low, high, first_blind = self._exchange_steps(count)
+        if low < 0:
+            self.close()
+            raise RuntimeError(
+                f"rank {self._rank}: the input pipeline of rank {-1 - low} failed (epoch {self._epoch}, "
+                f"offset {self._offset}); its error is raised there. Stopping here too, so no rank waits")
+        if not self._source.exact:
+            return low
+        if high > 0 and first_blind < self._strategy.num_replicas_in_sync:
+            self.close()
+            raise RuntimeError(
+                f"rank {self._rank}: rank {first_blind} read no record in epoch {self._epoch}, so it cannot "
+                f"build the empty or padded batches of the last {high} step(s) that other ranks still have; "
+                "give every rank at least one record (more files than ranks, no empty files), or pass "
+                "shard_policy='element'")
+        return high
+
+    def _exchange_steps(self, count: int) -> tuple[int, int, int]:
+        """Collective: one allreduce (MIN) of three int64: ``count``, ``-count`` and this rank if it cannot
+        build empty batches (an exact source that has read no record), else N. Returns the minimum and the
+        maximum of the counts, and the lowest such rank (N: none). ``count = -1 - rank`` says rank failed."""
+        size = self._strategy.num_replicas_in_sync
+        blind = self._rank if self._source.exact and not self._source.has_template else size
+        if size == 1:
+            return count, count, blind
+        mins = self._strategy.communicator.allreduce(np.array([count, -count, blind], dtype=np.int64),
+                                                     ReduceOp.MIN, name="data: steps ready")
+        return int(mins[0]), -int(mins[1]), int(mins[2])
 
     def _agree(self, count: int, what: str, op: ReduceOp = ReduceOp.MIN) -> int:
         """Collective: the minimum (or ``op``) of ``count`` over all ranks (no communication at one rank)."""
@@ -499,10 +605,16 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
       split, ``global_batch_size / N`` per rank (``ValueError`` unless
       divisible); without ``auto_shard`` every rank reads the whole batch.
     - :class:`FileDataset`: by file (rank ``r`` reads files ``r, r + N, ...``)
-      when there are at least ``N`` files, else by element;
+      when there are at least ``N`` files, else by record;
       ``shard_policy`` (``"auto"``, ``"file"``, ``"element"``) forces one.
       The choice is in ``.shard_policy`` and logged once, at INFO level on
-      rank 0, to the ``mpidist.data`` logger.
+      rank 0, to the ``mpidist.data`` logger. With a ``global_batch_size``
+      each rank gets ``global_batch_size / N`` records per step: whole
+      batches of its own files (by file) or its rows of each global batch
+      (by record). Such a dataset is exact with ``remainder="partial"`` or
+      ``"mask"``: every rank runs the most steps any rank has, the ranks
+      whose records ran out reading empty or all-padding batches; iterating
+      it is collective (one small allreduce per chunk of steps).
 
     Args:
         prefetch: chunks prepared ahead in a background thread (0: prepare
@@ -513,14 +625,17 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
             node), else 0, so that the default never slows training down.
         steps_per_transfer: steps gathered, copied to the device and agreed
             on together (pass ``iterations`` of :func:`run_steps_on_dataset`).
-        drop_remainder: for element streams (any iterable, a ``FileDataset``):
-            elements that would give some ranks one step more than others are
-            dropped, so that every rank runs the same number of steps. By
-            default each rank warns once (``UserWarning``) with how many were
-            dropped in the epoch; ``True`` drops them silently. ``False``
-            raises ``ValueError``: read the data as an :class:`ArrayDataset`
-            with ``remainder="partial"`` or ``"mask"`` to see every element.
-            An :class:`ArrayDataset` chooses with its own ``remainder``.
+        drop_remainder: for element streams (any iterable, a ``FileDataset``
+            without ``global_batch_size``): elements that would give some
+            ranks more steps than others are dropped, so that every rank runs
+            the same number of steps. By default each rank warns once
+            (``UserWarning``) with how many were dropped in the epoch, on
+            that rank and in total; ``True`` drops them silently. ``False``
+            raises ``ValueError``: to see every element, read the data as an
+            :class:`ArrayDataset` with ``remainder="partial"`` or ``"mask"``,
+            or as a batched :class:`FileDataset`. Datasets with a global batch
+            size choose with their own ``remainder`` (passing
+            ``drop_remainder`` raises ``ValueError``).
 
     Every rank must pass the same dataset. Each ``iter()`` of the result
     starts over (a one-shot iterator, such as a generator, cannot: a second
@@ -546,11 +661,8 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
         elif shard_policy != "auto" and auto_shard:
             raise ValueError(f"shard_policy={shard_policy!r} applies to a FileDataset; got a "
                              f"{type(dataset).__name__}, which is sharded by element")
-        if policy == "file":
-            files = dataset
-            source = _StreamSource(
-                "files", lambda e: files.read([files.epoch_files(e)[i] for i in file_shard(len(files.files), rank, size)]),
-                lambda: None, 1, 0, rank, global_position=False)
+        if isinstance(dataset, FileDataset) and (policy == "file" or dataset.global_batch_size is not None):
+            source = _file_source(dataset, policy, rank, size)
         else:
             group, pick = (size, rank) if auto_shard else (1, 0)
             source = _StreamSource("elements", _epoch_stream(dataset), lambda: _length_of(dataset), group, pick, rank)
@@ -559,16 +671,46 @@ def distribute_dataset(strategy: "MPIStrategy", dataset: Any, auto_shard: bool =
                               drop_remainder=drop_remainder)
 
 
+def _file_source(files: FileDataset, policy: str, rank: int, size: int) -> Any:
+    """The source of a :class:`FileDataset` sharded by ``policy`` (``"file"``, ``"element"`` or ``"off"``).
+
+    By file the stream is this rank's files, and the position rank-local;
+    otherwise every rank reads every file. Batched, each step reads a whole
+    per-replica batch by file, else a global batch split over the ranks (the
+    whole of it without sharding).
+    """
+    stream = _file_shard_stream(files, rank, size) if policy == "file" else _epoch_stream(files)
+    batch = files.global_batch_size
+    if batch is None:
+        return _StreamSource("files", stream, lambda: None, 1, 0, rank, global_position=False)
+    per_rank = batch if policy == "off" else per_replica_batch_size(batch, size, rank)
+    group, pick, parts = {"file": (per_rank, 0, 1), "element": (batch, rank, size), "off": (batch, 0, 1)}[policy]
+    batches = RecordBatches(group, pick, parts, files.remainder, per_rank)
+    kind = "file batches" if policy == "file" else "record batches"
+    return _BatchSource(kind, stream, batches, batch, rank, global_position=policy != "file")
+
+
+def _file_shard_stream(files: FileDataset, rank: int, size: int) -> Callable[[int], Iterable[Any]]:
+    """The records of rank's files (:func:`file_shard`) in an epoch's file order."""
+    def stream(epoch: int) -> Iterable[Any]:
+        ordered = files.epoch_files(epoch)
+        return files.read([ordered[i] for i in file_shard(len(files.files), rank, size)])
+
+    return stream
+
+
 def _check_drop_remainder(drop_remainder: Optional[bool], dataset: Any) -> None:
     if drop_remainder is None:
         return
-    if isinstance(dataset, ArrayDataset):
-        raise ValueError(f"drop_remainder applies to element streams; an ArrayDataset chooses with its own "
-                         f"remainder= (now {dataset.remainder!r}): 'drop', 'partial' or 'mask'")
+    if isinstance(dataset, (ArrayDataset, FileDataset)) and getattr(dataset, "remainder", None) is not None:
+        raise ValueError(f"drop_remainder applies to element streams; an {type(dataset).__name__} with a global "
+                         f"batch size chooses with its own remainder= (now {dataset.remainder!r}): 'drop', "
+                         "'partial' or 'mask'")
     if drop_remainder is False:
         raise ValueError("drop_remainder=False: an element stream keeps equal steps on every rank only by dropping "
                          "the elements past the last full step; to read every element use an ArrayDataset with "
-                         "remainder='partial' or 'mask' (or leave drop_remainder at None to be warned)")
+                         "remainder='partial' or 'mask', or a FileDataset with a global_batch_size (or leave "
+                         "drop_remainder at None to be warned)")
 
 
 def distribute_datasets_from_function(strategy: "MPIStrategy", dataset_fn: Callable[[InputContext], Any], *,
