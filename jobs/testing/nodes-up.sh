@@ -12,10 +12,13 @@
 #   on NODE CMD...   a shorthand: `STATE_DIR/on node0 hostname`
 #   hostfile.openmpi, hostfile.mpich   every node with SLOTS slots, in each launcher's syntax
 #   nodeK/tmp        node K's /tmp
-# Each node is one named network namespace (`ip netns list`) and one holder process whose UTS
-# and mount namespaces every command run on the node enters (`nsenter -t PID -n -u -m`); the
-# node's interface is eth0 with an address on SUBNET, and the host side of the bridge has the
-# subnet's first address (slurmctld listens there). Nothing is routed elsewhere.
+# Each node is one named network namespace (`ip netns list`) and one holder process whose UTS,
+# IPC and mount namespaces every command run on the node enters (`nsenter -t PID -n -u -i -m`);
+# the node's interface is eth0 with an address on SUBNET, and the host side of the bridge has the
+# subnet's first address (slurmctld listens there). Nothing is routed elsewhere. The IPC namespace
+# is what keeps UCX (MPICH's network layer) off shared memory between nodes: it takes processes
+# with the same kernel boot id and IPC namespace for one host, and would carry their traffic
+# through shared memory instead of over the node's link.
 #
 # Environment: MPIDIST_NODES (default 2) nodes; MPIDIST_NODES_SLOTS (default 2) slots per node in
 # the hostfiles; MPIDIST_NODES_SUBNET (default: the first of 10.231.N.0/24 for N = 1..250 that no
@@ -123,7 +126,7 @@ done
 for ((k = 0; k < count; k++)); do
   mkdir -p "$state/${names[k]}/tmp"
   chmod 1777 "$state/${names[k]}/tmp"
-  setsid nsenter --net="/run/netns/${namespaces[k]}" unshare --uts --mount --propagation private -- \
+  setsid nsenter --net="/run/netns/${namespaces[k]}" unshare --uts --ipc --mount --propagation private -- \
     bash -c 'hostname "$1" && mount --bind "$2" /tmp && mount --bind "$3" /etc/hosts && touch "$4" &&
              exec sleep infinity' holder "${names[k]}" "$state/${names[k]}/tmp" "$state/hosts" \
     "$state/${names[k]}/ready" </dev/null >>"$state/holders.log" 2>&1 &
@@ -155,7 +158,7 @@ read -ra names <<<"\$NAMES"; read -ra addrs <<<"\$ADDRS"; read -ra pids <<<"\$PI
 for ((i = 0; i < \${#names[@]}; i++)); do
   if [ "\$node" = "\${names[i]}" ] || [ "\$node" = "\${addrs[i]}" ]; then
     [ "\$#" -gt 0 ] || set -- exec bash -l
-    exec nsenter -t "\${pids[i]}" -n -u -m --wd="\$PWD" -- bash -c "\$*"
+    exec nsenter -t "\${pids[i]}" -n -u -i -m --wd="\$PWD" -- bash -c "\$*"
   fi
 done
 echo "agent: unknown node \$node (nodes: \$NAMES)" >&2
@@ -167,7 +170,7 @@ cat > "$state/on" <<ON
 source "$state/nodes.env"
 read -ra names <<<"\$NAMES"; read -ra pids <<<"\$PIDS"
 for ((i = 0; i < \${#names[@]}; i++)); do
-  [ "\$1" = "\${names[i]}" ] && { shift; exec nsenter -t "\${pids[i]}" -n -u -m --wd="\$PWD" -- "\$@"; }
+  [ "\$1" = "\${names[i]}" ] && { shift; exec nsenter -t "\${pids[i]}" -n -u -i -m --wd="\$PWD" -- "\$@"; }
 done
 echo "on: unknown node \$1 (nodes: \$NAMES)" >&2
 exit 255
