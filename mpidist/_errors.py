@@ -17,6 +17,7 @@ __all__ = [
     "CommError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "IntegerOverflowError",
     "MirrorDivergenceError",
     "NonFiniteError",
     "RankLeftError",
@@ -76,6 +77,20 @@ class NonFiniteError(MpidistError, FloatingPointError):
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class IntegerOverflowError(MpidistError, OverflowError):
+    """An integer SUM was refused because its result does not fit the dtype.
+
+    Raised on every rank (with ``check_overflow`` on) before anything was
+    written. ``name`` is the value reduced; ``indices`` the flat indices of
+    the elements that overflow (at most the first ten).
+    """
+
+    def __init__(self, message: str, name: str = "", indices: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.name = name
+        self.indices = tuple(indices)
 
 
 class MirrorDivergenceError(MpidistError, RuntimeError):

@@ -51,6 +51,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "cuda_aware": _parse_choice("auto", "1", "0"),
     "pipeline_bytes": int,
     "check_finite": _parse_bool,
+    "check_overflow": _parse_bool,
     "abort_on_error": _parse_bool,
     "check_mirrored_every": int,
     "fusion_bytes": int,
@@ -93,6 +94,12 @@ class Options:
             naming the ranks that contributed NaN/Inf, instead of spreading
             them to every replica; costs one pass over each array
             (``MPIDIST_CHECK_FINITE``).
+        check_overflow: integer SUM reductions raise
+            :class:`~mpidist.IntegerOverflowError` naming the value and the
+            elements whose sum does not fit the dtype, on every rank and
+            before anything is written, instead of wrapping around as MPI
+            does; costs a reduction of a 64-bit copy (two, for 64-bit
+            integers) (``MPIDIST_CHECK_OVERFLOW``).
         abort_on_error: once a strategy exists, an uncaught exception on any
             rank prints its traceback tagged with the rank and aborts the
             whole job, instead of leaving the other ranks waiting
@@ -124,6 +131,7 @@ class Options:
     cuda_aware: str = "auto"
     pipeline_bytes: int = 2 * _MIB
     check_finite: bool = False
+    check_overflow: bool = False
     abort_on_error: bool = True
     check_mirrored_every: int = 0
     fusion_bytes: int = 64 * 1024
@@ -180,6 +188,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "cuda_aware": ((str,), '"auto", "1" or "0"'),
     "pipeline_bytes": ((int,), "an integer number of bytes"),
     "check_finite": ((bool,), "True or False"),
+    "check_overflow": ((bool,), "True or False"),
     "abort_on_error": ((bool,), "True or False"),
     "check_mirrored_every": ((int,), "an integer"),
     "fusion_bytes": ((int,), "an integer number of bytes"),

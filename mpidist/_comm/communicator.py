@@ -29,6 +29,7 @@ from mpidist._comm.fusion import Fusion, UpdateFn
 from mpidist._comm.handle import Handle
 from mpidist._comm.hierarchy import node_split
 from mpidist._comm.library import library_version
+from mpidist._comm import overflow
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._comm.transport import Transport
 from mpidist._errors import CollectiveMismatchError, CommError
@@ -312,7 +313,7 @@ class Communicator:
             self._transport.begin()
             if error is not None:
                 raise error
-            if blocking and self._one_call(target):
+            if blocking and self._one_call(target) and not self._checked(op, array):
                 # the common small host case: one call, no pieces (the per-update latency path)
                 self._transport.call("allreduce", self._comm.Allreduce,
                                      MPI.IN_PLACE if target is array else array, target, self._transport.mpi_op(op, array.dtype))
@@ -328,13 +329,13 @@ class Communicator:
                 carried = agreement.agree(Call(Kind.ALLREDUCE, name), error)
             if carried is None:
                 return self._reduce_data(array, target, op, name, blocking)
-            self._store(carried, target, op)
+            self._store(carried, target, op, name)
             return target
 
         def then(carried: Optional[np.ndarray]) -> Any:
             if carried is None:
                 return self._reduce_data(array, target, op, name, blocking)
-            self._store(carried.reshape(target.shape), target, op)
+            self._store(carried.reshape(target.shape), target, op, name)
             return [], lambda: target
 
         call = Call(Kind.ALLREDUCE, name, op, array.dtype.char, tuple(array.shape)) if error is None else Call(
@@ -342,9 +343,12 @@ class Communicator:
         return Handle(self._transport, agreement.start(call, error, array, self.options.check_finite, then),
                       keep=(array, out))
 
-    def _store(self, carried: np.ndarray, target: Any, op: ReduceOp) -> None:
+    def _store(self, carried: np.ndarray, target: Any, op: ReduceOp, name: str) -> None:
         """Local: the sums carried by the agreement record (shaped like ``target``) into ``target``."""
         char = target.dtype.char
+        if self._checked(op, target):
+            target[...] = overflow.narrow(carried, target.dtype, name, self.rank).reshape(target.shape)
+            return
         if char == "d" and op is ReduceOp.SUM:
             target[...] = carried
         elif char in "bhiBHI":
@@ -356,8 +360,15 @@ class Communicator:
         else:
             target[...] = carried
 
-    def _reduce_data(self, array: Any, target: Any, op: ReduceOp, name: str, blocking: bool) -> Any:
-        """Collective, once agreed: ``target`` <- the reduction of every rank's ``array``, in pieces."""
+    def _reduce_data(self, array: Any, target: Any, op: ReduceOp, name: str, blocking: bool, *,
+                     check: bool = True) -> Any:
+        """Collective, once agreed: ``target`` <- the reduction of every rank's ``array``, in pieces.
+
+        Integer sums are checked with ``options.check_overflow`` (unless ``check`` is false).
+        """
+        if check and self._checked(op, array):  # reduce the 64-bit form, then write only sums that fit
+            target[...] = self.checked_sum(array, name).reshape(target.shape)
+            return target if blocking else ([], lambda: target)
         if target is not array and self.backend.needs_staging(array, self.cuda_aware):
             target[...] = array  # reduce a device copy in place: staging then needs one buffer
         send = None if target is array or self.backend.needs_staging(array, self.cuda_aware) else array
@@ -384,6 +395,19 @@ class Communicator:
             if op is ReduceOp.MEAN and not staged:
                 flat_target[lo:hi] /= self.size  # while the piece is in cache
         return finish()
+
+    def _checked(self, op: Optional[ReduceOp], array: Any) -> bool:
+        return self.options.check_overflow and overflow.applies(op, array.dtype)
+
+    def checked_sum(self, array: Any, name: str) -> Any:
+        """Collective, once agreed: the exact SUM of every rank's integer ``array``, flat, as a new array.
+
+        Raises :class:`~mpidist.IntegerOverflowError` on every rank when a sum
+        does not fit the dtype (see :mod:`~mpidist._comm.overflow`).
+        """
+        wide = overflow.widen(array)
+        self._reduce_data(wide, wide, ReduceOp.SUM, name, blocking=True, check=False)
+        return overflow.narrow(wide, array.dtype, name, self.rank)
 
     def _one_call(self, target: Any) -> bool:
         return (self._transport.hierarchy is None and target.nbytes <= self.options.pipeline_bytes
@@ -463,6 +487,10 @@ class Communicator:
 
         def then(_: Any) -> Any:
             row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
+            if self._checked(op, array):  # the whole exact sum, then this rank's block of it
+                start = sum(counts[:self.rank]) * row
+                block = self.checked_sum(array, name)[start:start + counts[self.rank] * row]
+                return block.reshape((counts[self.rank],) + tuple(array.shape[1:]))
             result = array_module(array).empty((counts[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)

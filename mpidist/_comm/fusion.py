@@ -33,6 +33,7 @@ from mpidist._comm.agreement import Agreement, Call, Kind, validate
 from mpidist._comm.backend import Backend, array_module, is_device_array
 from mpidist._comm.flat import joinable, span
 from mpidist._comm.handle import Handle
+from mpidist._comm import overflow
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._comm.transport import Transport
 
@@ -72,6 +73,11 @@ class Fusion:
         this rank's own problem with its arguments (raised here once every rank
         has seen it; the others raise a mismatch naming this rank).
         """
+        if self._options.check_overflow and any(overflow.applies(op, a.dtype) for a, op in zip(sends, ops)):
+            what = _what(sends, ops, names)
+            self._agree(sends, ops, names, error,
+                        lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried))
+            return
         if len(sends) == 1 and error is None and self._agreement.enabled:
             send, op = sends[0], ops[0]
             if validate(send, op, names[0], self._transport.rank) is None:  # the per-update path, kept short
@@ -117,6 +123,33 @@ class Fusion:
                 bucket.append((send, target))
                 used += send.nbytes
             self._flush(what, bucket, op, fn, in_place)
+
+    def _checked_apply(self, what: str, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op],
+                       fn: UpdateFn, names: Sequence[str], in_place: bool, carried: Optional[np.ndarray]) -> None:
+        """:meth:`_reduce_apply` with integer sums checked: every checked sum first, then any write.
+
+        ``carried`` holds the float64 sums of one small array, when the
+        agreement carried them (exact for the integers it carries).
+        """
+        checked = [i for i, (a, op) in enumerate(zip(sends, ops)) if overflow.applies(op, a.dtype)]
+        rank = self._transport.rank
+        sums = {}
+        for i in checked:
+            if carried is not None:
+                sums[i] = overflow.narrow(carried.reshape(-1), sends[i].dtype, names[i], rank)
+            else:
+                wide = overflow.widen(sends[i])
+                for lo, hi in self._transport.pieces(wide):
+                    self._transfer(what, None, wide[lo:hi], ReduceOp.SUM)
+                sums[i] = overflow.narrow(wide, sends[i].dtype, names[i], rank)
+        for i, reduced in sums.items():
+            fn(targets[i].reshape(-1), reduced)
+            if in_place:
+                sends[i].reshape(-1)[...] = reduced
+        rest = [i for i in range(len(sends)) if i not in sums]
+        if rest:
+            self._reduce_apply(what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest],
+                               fn, in_place)
 
     def _stream(self, what: str, send: Any, target: Any, op: Op, fn: UpdateFn, in_place: bool) -> None:
         """Reduce the flat ``send`` piece by piece (into the bucket, or where it is), applying ``fn`` after each."""
@@ -180,6 +213,9 @@ class Fusion:
         :meth:`Communicator.iallreduce`).
         """
         t = self._transport
+        if self._options.check_overflow and any(overflow.applies(op, a.dtype) for a in arrays):
+            results = self.allreduce_many(arrays, op, names)  # checked sums complete before anything is written
+            return Handle(t, None, ([], lambda: then(results)))
         what = _what(arrays, [op] * len(arrays), names)
         results: list[Any] = [None] * len(arrays)
         copies = []
