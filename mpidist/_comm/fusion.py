@@ -86,8 +86,10 @@ class Fusion:
                 if carried is None:
                     self._stream(_what(sends, ops, names), send.reshape(-1), targets[0].reshape(-1), op, fn, in_place)
                     return
-                reduced = _cast(carried / self._transport.size if op is ReduceOp.MEAN else carried, send.dtype)
-                fn(targets[0].reshape(-1), reduced.reshape(-1))
+                if op is ReduceOp.MEAN:
+                    carried = carried / self._transport.size
+                reduced = carried if send.dtype.char == "d" else _cast(carried, send.dtype)
+                fn(targets[0], reduced)  # shaped like the send, as the target is
                 if in_place:
                     send[...] = reduced
                 return

@@ -48,6 +48,7 @@ class StrategyExtended:
         self._strategy = strategy
         self._comm = communicator
         self._flat = FlatStore(communicator.backend.xp) if options.flat_variables else None
+        self._check_every = options.check_mirrored_every
         self._unnamed = 0
 
     def default_name(self) -> str:
@@ -183,29 +184,36 @@ class StrategyExtended:
         ``check_mirrored`` of ``options.check_mirrored_every``.
         """
         error: Optional[Exception] = None
-        try:
-            values = tuple(v._coerce(x) for v, x in zip(variables, values))
-        except (TypeError, ValueError) as exc:
-            error = exc
-            values = tuple(v._component for v in variables)  # not sent: the agreement fails first
         if len(variables) == 1:  # the per-update path: no lists
             v = variables[0]
-            self._comm.reduce_apply(values, (v._component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,),
+            try:
+                value = v._coerce(values[0])
+            except (TypeError, ValueError) as exc:
+                error, value = exc, v._component  # not sent: the agreement fails first
+            self._comm.reduce_apply((value,), (v._component,), (_AGGREGATION_OPS[v._aggregation],), fn, (v._name,),
                                     in_place, error)
         else:
+            try:
+                values = tuple(v._coerce(x) for v, x in zip(variables, values))
+            except (TypeError, ValueError) as exc:
+                error = exc
+                values = tuple(v._component for v in variables)
             self._comm.reduce_apply(values, [v._component for v in variables],
                                     [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
                                     [v.name for v in variables], in_place, error)
-        every = self._strategy.options.check_mirrored_every
-        if every:
-            due = []
-            for v in variables:
-                v._updates += 1
-                if v._updates % every == 0:
-                    due.append(v)
-            if due:
-                with self._strategy.scope():
-                    self._strategy.check_mirrored(due)
+        if self._check_every:
+            self._check_mirrored_when_due(variables)
+
+    def _check_mirrored_when_due(self, variables: Sequence["DistributedVariable"]) -> None:
+        """Collective: ``check_mirrored`` of the variables whose update count reached a multiple of the period."""
+        due = []
+        for v in variables:
+            v._updates += 1
+            if v._updates % self._check_every == 0:
+                due.append(v)
+        if due:
+            with self._strategy.scope():
+                self._strategy.check_mirrored(due)
 
     # -- contexts -----------------------------------------------------------------------------
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

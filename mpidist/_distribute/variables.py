@@ -88,11 +88,10 @@ class _OnWritePolicy(_Policy):
     synchronization = VariableSynchronization.ON_WRITE
 
     def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
-        if in_cross_replica_context():
-            UPDATES[kind](var._component, var._coerce(value))
-            return var
-        replica = get_replica_context()
-        if replica is None:
+        if get_replica_context() is None:
+            if in_cross_replica_context():
+                UPDATES[kind](var._component, var._coerce(value))
+                return var
             raise RuntimeError(f"{kind} of MirroredVariable {var.name!r} must run inside `with strategy.scope():` "
                                "(cross-replica) or inside strategy.run (replica context)")
         if var.aggregation is VariableAggregation.NONE:
