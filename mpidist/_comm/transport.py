@@ -33,6 +33,7 @@ _BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAN
 
 _TAG_QUERY, _TAG_REPLY = 7702, 7703
 _SPIN = 50e-6  # seconds of busy polling before a waiting rank starts to yield the core
+_YIELD = 20e-3  # seconds of polling with the core yielded between tests before a waiting rank sleeps
 _STALL = 60.0  # at most this many seconds before a rank warns that others are late
 
 
@@ -117,7 +118,9 @@ class Transport:
         """Local: complete one request of a collective, honouring ``options.timeout``.
 
         Busy-polls for a few tens of microseconds (the common case at small
-        scale), then yields the core between tests, then sleeps in growing
+        scale), then yields the core between tests for up to 20 ms (progress
+        of a nonblocking collective happens in those tests: a rank asleep
+        would hold back the ranks waiting for it), then sleeps in growing
         steps of up to a millisecond. Meanwhile it answers other ranks'
         "where are you?" queries. Halfway to the deadline (at most
         a minute in) it warns naming the ranks that have not arrived; at the
@@ -166,7 +169,7 @@ class Transport:
                     f"{_missing_text(missing)}. A rank that skips a collective, calls a different one, or "
                     "died leaves the others waiting; every rank must call the same collectives in the same "
                     "order. The communicator is unusable from now on.", missing)
-            if now - begun < 1e-3:
+            if now - begun < _YIELD:  # a late peer (descheduled, a slow piece): keep the progress going
                 os.sched_yield()
             else:
                 pause = min(1e-3, pause * 2 or 2e-5)
