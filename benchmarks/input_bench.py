@@ -14,7 +14,8 @@ small training-like step to both loops (an MLP forward pass,
 thread gathers the next batch.
 
 Prints one markdown table row per case: median over ``--repeats`` runs of the
-slowest rank's seconds per step.
+slowest rank's seconds per step, and its ratios against local slicing and
+against the same case with ``prefetch=0``.
 """
 from __future__ import annotations
 
@@ -92,22 +93,25 @@ def main() -> None:
         print(f"ranks {size}, {args.batch} rows x {args.features} float32 per rank and step, {steps} steps, "
               f"median of {args.repeats}")
         print("| case | prefetch | steps per transfer | local slicing (us/step) | distributed (us/step) "
-              "| overhead (us/step) | ratio |")
-        print("|---|---|---|---|---|---|---|")
+              "| overhead (us/step) | vs local slicing | vs prefetch 0 |")
+        print("|---|---|---|---|---|---|---|---|")
     cases = [(shuffle, work, prefetch, 1) for shuffle in (True, False) for work in (False, True)
              for prefetch in (0, 2, None)] + [(True, False, 0, 8), (True, False, 2, 8)]
     default = default_depth(strategy.communicator.backend, strategy.communicator.local_size)
+    unprefetched: dict[tuple, float] = {}  # the prefetch=0 time of each case, which the others are compared with
     for shuffle, work, prefetch, per_transfer in cases:
         base, dist = [], []
         for _ in range(args.repeats):  # interleaved, so drifts hit both alike
             base.append(slowest(baseline, shuffle, work))
             dist.append(slowest(distributed, shuffle, work, prefetch, per_transfer))
         b, d = statistics.median(base), statistics.median(dist)
+        if prefetch == 0:
+            unprefetched[shuffle, work, per_transfer] = d
         if rank == 0:
             case = ("shuffled" if shuffle else "in order (views)") + (" +step" if work else "")
             shown = f"default ({default})" if prefetch is None else prefetch
             print(f"| {case} | {shown} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
-                  f"| {d / b:.2f} |", flush=True)
+                  f"| {d / b:.2f} | {d / unprefetched[shuffle, work, per_transfer]:.2f} |", flush=True)
     strategy.free()
 
 
