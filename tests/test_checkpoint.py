@@ -153,14 +153,14 @@ def check_restored(strategy, model: dict, saved_at: int) -> None:
     assert next(model["inputs"]) == STEPS * a + r  # the input resumes exactly where it stopped
 
 
-@pytest.mark.parametrize("chunk_bytes", [32, fmt.CHUNK_BYTES])
+@pytest.mark.parametrize("block_bytes", [32, fmt.BLOCK_BYTES])
 @pytest.mark.parametrize("saved_at,restored_at", [(a, b) for a in (1, 2, 3) for b in (1, 2, 3)])
-def test_restore_on_a_different_number_of_ranks(shared_dir, saved_at, restored_at, chunk_bytes):
+def test_restore_on_a_different_number_of_ranks(shared_dir, saved_at, restored_at, block_bytes):
     needs(saved_at, restored_at)
     with group(saved_at) as strategy:
         if strategy is not None:
             model = build(strategy, fill=True)
-            path = Checkpoint(**model).save(shared_dir, chunk_bytes=chunk_bytes)
+            path = Checkpoint(**model).save(shared_dir, block_bytes=block_bytes)
             assert path == str(shared_dir / "ckpt-000001")
     with group(restored_at) as strategy:
         if strategy is not None:
@@ -185,7 +185,7 @@ def strategy():
 def test_large_arrays_are_exchanged_in_rounds(strategy, shared_dir, monkeypatch):
     monkeypatch.setattr(_checkpoint, "_MAX_GATHER_BYTES", 100)
     model = build(strategy, fill=True)
-    Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+    Checkpoint(**model).save(shared_dir, block_bytes=32)
     model = build(strategy, fill=False)
     Checkpoint(**model).restore(shared_dir)
     check_restored(strategy, model, strategy.num_replicas_in_sync)
@@ -194,22 +194,22 @@ def test_large_arrays_are_exchanged_in_rounds(strategy, shared_dir, monkeypatch)
 def test_each_rank_writes_and_reads_only_its_share(strategy, shared_dir, monkeypatch):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     with strategy.scope():
-        weights = mpidist.Variable(np.arange(96, dtype=np.float32), name="weights")  # 384 bytes: 12 chunks
+        weights = mpidist.Variable(np.arange(96, dtype=np.float32), name="weights")  # 384 bytes: 12 blocks
     written, read = [], []
-    real_write, real_read = fmt._pwrite_all, reader._read_chunk
+    real_write, real_read = fmt._pwrite_all, reader._read_block
 
     def pwrite_all(fd, data, offset):
         if offset > 0:  # headers and the manifest are written at offset 0, data after the header
             written.append(len(data))
         real_write(fd, data, offset)
 
-    def read_chunk(fd, out, *args):
+    def read_block(fd, out, *args):
         read.append(len(out))
         real_read(fd, out, *args)
 
     monkeypatch.setattr(fmt, "_pwrite_all", pwrite_all)
-    monkeypatch.setattr(reader, "_read_chunk", read_chunk)
-    Checkpoint(weights=weights).save(shared_dir, chunk_bytes=32)
+    monkeypatch.setattr(reader, "_read_block", read_block)
+    Checkpoint(weights=weights).save(shared_dir, block_bytes=32)
     Checkpoint(weights=weights).restore(shared_dir)
     lo, hi = fmt.share_ranges([384], n, 32)[0][r]
     assert sum(written) == hi - lo and sum(read) == hi - lo
@@ -250,9 +250,9 @@ def test_ranks_that_disagree_raise_on_every_rank_and_write_nothing(strategy, sha
 def test_a_checksum_error_in_one_ranks_share_fails_every_rank(strategy, shared_dir):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     model = build(strategy, fill=True)
-    Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+    Checkpoint(**model).save(shared_dir, block_bytes=32)
     WORLD.Barrier()
-    if r == 0:  # damage the last chunk of "weights": the last rank reads it
+    if r == 0:  # damage the last block of "weights": the last rank reads it
         path = next((shared_dir / "ckpt-000001").glob("*weights.npy"))
         data = bytearray(path.read_bytes())
         data[-1] ^= 0x40
@@ -358,7 +358,7 @@ def test_gpu_components_save_and_restore(shared_dir):
     s = mpidist.MPIStrategy(device="gpu")
     try:
         model = build(s, fill=True)
-        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+        Checkpoint(**model).save(shared_dir, block_bytes=32)
         model = build(s, fill=False)
         assert type(model["weights"].values[0]).__module__.startswith("cupy")
         Checkpoint(**model).restore(shared_dir)
@@ -395,7 +395,7 @@ def diverged_model(strategy) -> dict:
 
 def test_a_diverged_mirrored_variable_is_saved_as_rank_0s_value(strategy, shared_dir):
     model = diverged_model(strategy)
-    Checkpoint(**model).save(shared_dir, chunk_bytes=32, check_mirrors=False)
+    Checkpoint(**model).save(shared_dir, block_bytes=32, check_mirrors=False)
     arrays = read_checkpoint(shared_dir)
     np.testing.assert_array_equal(arrays["one"], np.ones(1))
     np.testing.assert_array_equal(arrays["large"], np.ones(1000, np.float32))
@@ -409,11 +409,11 @@ def test_the_mirror_check_raises_on_every_rank_naming_variables_and_ranks(strate
     n = strategy.num_replicas_in_sync
     model = diverged_model(strategy)
     if n == 1:  # one component cannot diverge: the save goes through
-        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+        Checkpoint(**model).save(shared_dir, block_bytes=32)
         np.testing.assert_array_equal(read_checkpoint(shared_dir)["large"], np.ones(1000, np.float32))
         return
     with pytest.raises(mpidist.MirrorDivergenceError) as info:
-        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+        Checkpoint(**model).save(shared_dir, block_bytes=32)
     others = tuple(range(1, n))
     assert info.value.diverged == {"one": others, "large": others}
     ranks = "rank 1" if n == 2 else f"ranks 1-{n - 1}"
@@ -425,14 +425,14 @@ def test_the_mirror_check_raises_on_every_rank_naming_variables_and_ranks(strate
     model["one"].values[0][...] = 1.0 if strategy.rank < n - 1 else 5.0
     model["large"].values[0][...] = 1.0
     with pytest.raises(mpidist.MirrorDivergenceError, match=f"'one' differs from rank 0's on rank {n - 1} "):
-        Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+        Checkpoint(**model).save(shared_dir, block_bytes=32)
 
 
 # -- files that are not regular files, in a collective restore ------------------------------------------
 @pytest.mark.parametrize("kind", ["fifo", "directory", "symlink", "manifest-symlink"])
 def test_restore_refuses_other_files_than_regular_ones_on_every_rank(strategy, shared_dir, kind):
     model = build(strategy, fill=True)
-    Checkpoint(**model).save(shared_dir, chunk_bytes=32)
+    Checkpoint(**model).save(shared_dir, block_bytes=32)
     save = shared_dir / "ckpt-000001"
     if WORLD.rank == 0:
         weights = next(save.glob("*weights.npy"))
@@ -469,7 +469,7 @@ def test_restore_reads_each_byte_once_per_node_and_gathers_within_it(shared_dir,
             m = mpidist.Variable(np.full((5, 7), 2, np.int32), name="m", synchronization="on_read",
                                  aggregation="sum")
         plain = np.arange(1000, dtype=np.int16)
-        Checkpoint(w=w, m=m, plain=plain).save(shared_dir, chunk_bytes=1024)
+        Checkpoint(w=w, m=m, plain=plain).save(shared_dir, block_bytes=1024)
         with strategy.scope():
             w.assign(np.zeros(3000))
             m.assign(np.zeros((5, 7), np.int32))

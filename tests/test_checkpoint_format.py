@@ -64,7 +64,7 @@ EXPECTED = {
 }
 
 
-def make_checkpoint(strategy, path, chunk_bytes=32, **save_options):
+def make_checkpoint(strategy, path, block_bytes=32, **save_options):
     """Save EXPECTED (plus a Position at 7) into ``path``; returns the Checkpoint and the save's directory."""
     with strategy.scope():
         weights = mpidist.Variable(EXPECTED["weights"], name="weights")
@@ -72,7 +72,7 @@ def make_checkpoint(strategy, path, chunk_bytes=32, **save_options):
                                    aggregation="sum")
     checkpoint = Checkpoint(weights=weights, counter=counter, table=EXPECTED["table"].copy(),
                             empty=EXPECTED["empty"].copy(), position=Position(7))
-    return checkpoint, Path(checkpoint.save(path, chunk_bytes=chunk_bytes, **save_options))
+    return checkpoint, Path(checkpoint.save(path, block_bytes=block_bytes, **save_options))
 
 
 def assert_expected(arrays):
@@ -90,10 +90,10 @@ def data_file(save_dir, name):
 
 # -- work split ------------------------------------------------------------------------------
 @given(sizes=st.lists(st.integers(0, 3000), max_size=7), nranks=st.integers(1, 9),
-       chunk=st.sampled_from([1, 8, 64, 1000]), alone=st.lists(st.booleans(), min_size=7, max_size=7))
-def test_share_ranges_cover_each_entry_in_rank_order_and_balance(sizes, nranks, chunk, alone):
+       block=st.sampled_from([1, 8, 64, 1000]), alone=st.lists(st.booleans(), min_size=7, max_size=7))
+def test_share_ranges_cover_each_entry_in_rank_order_and_balance(sizes, nranks, block, alone):
     alone = alone[:len(sizes)]
-    ranges = fmt.share_ranges(sizes, nranks, chunk, rank0_only=alone)
+    ranges = fmt.share_ranges(sizes, nranks, block, rank0_only=alone)
     assert len(ranges) == len(sizes)
     per_rank = [0] * nranks
     for size, fixed, shares in zip(sizes, alone, ranges):
@@ -102,7 +102,7 @@ def test_share_ranges_cover_each_entry_in_rank_order_and_balance(sizes, nranks, 
         for (lo, hi), (next_lo, _) in zip(shares, shares[1:]):
             assert lo <= hi == next_lo
         for lo, hi in shares:
-            assert lo == size or lo % chunk == 0
+            assert lo == size or lo % block == 0
             assert lo <= hi
         if fixed:
             assert shares[0] == (0, size)
@@ -111,7 +111,7 @@ def test_share_ranges_cover_each_entry_in_rank_order_and_balance(sizes, nranks, 
                 per_rank[r] += hi - lo
     total = sum(s for s, f in zip(sizes, alone) if not f)
     assert sum(per_rank) == total
-    assert max(per_rank) <= total / nranks + chunk
+    assert max(per_rank) <= total / nranks + block
 
 
 def test_share_ranges_spread_one_large_array_evenly():
@@ -137,8 +137,18 @@ def test_files_are_plain_npy_and_the_manifest_plain_json(strategy, tmp_path):
         np.testing.assert_array_equal(loaded, value)
         assert loaded.dtype == value.dtype
         data = path.read_bytes()[entries[name]["data_offset"]:]
-        chunks = [data[i:i + manifest["chunk_bytes"]] for i in range(0, len(data), manifest["chunk_bytes"])]
-        assert entries[name]["chunk_crc32"] == [zlib.crc32(c) for c in chunks]
+        block = manifest["chunk_bytes"]  # the on-disk key names of format 1, kept for every reader
+        assert entries[name]["chunk_crc32"] == [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]
+
+
+def test_save_accepts_the_former_name_of_block_bytes(strategy, tmp_path):
+    checkpoint, _ = make_checkpoint(strategy, tmp_path / "ckpt")
+    save_dir = Path(checkpoint.save(tmp_path / "ckpt", chunk_bytes=64))
+    assert json.loads((save_dir / fmt.MANIFEST).read_text())["chunk_bytes"] == 64
+    with pytest.raises(ValueError, match="chunk_bytes is the former name of block_bytes"):
+        checkpoint.save(tmp_path / "ckpt", block_bytes=64, chunk_bytes=64)
+    with pytest.raises(ValueError, match=r"block_bytes must be a positive multiple of 32 .*got 48"):
+        checkpoint.save(tmp_path / "ckpt", block_bytes=48)
 
 
 def test_read_checkpoint_returns_every_array_without_a_strategy(strategy, tmp_path):
@@ -230,7 +240,7 @@ def test_a_flipped_byte_is_a_checksum_error_naming_file_and_variable(strategy, t
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumError) as info:
         read_checkpoint(tmp_path / "ckpt")
-    assert str(path) in str(info.value) and "'weights'" in str(info.value) and "chunk 1" in str(info.value)
+    assert str(path) in str(info.value) and "'weights'" in str(info.value) and "block 1" in str(info.value)
     assert info.value.file == str(path) and info.value.entry == "weights"
     report = inspect(tmp_path / "ckpt")
     assert not report.ok and list(report.problems) == ["weights"]

@@ -53,7 +53,7 @@ def base(tmp_path_factory) -> Path:
             total = mpidist.Variable(np.arange(3.0), synchronization="on_read", aggregation="sum")
         root = tmp_path_factory.mktemp("base") / "ckpt"
         Checkpoint(weights=weights, total=total, table=np.arange(5, dtype=np.int16),
-                   position=Position()).save(root, chunk_bytes=32)
+                   position=Position()).save(root, block_bytes=32)
     finally:
         strategy.free()
     return root
@@ -177,7 +177,7 @@ def negative_size(root: Path) -> None:
 
 
 def one_tebibyte_declared(root: Path) -> None:
-    rewrite(root, lambda m: (m.update(chunk_bytes=2 ** 40),
+    rewrite(root, lambda m: (m.update(chunk_bytes=2 ** 40),  # the on-disk key names of format 1
                              entry(m, "table").update(shape=[2 ** 39], nbytes=2 ** 40, chunk_crc32=[0]),
                              entry(m, "weights").update(chunk_crc32=[0]), entry(m, "total").update(chunk_crc32=[0])))
 

@@ -59,7 +59,7 @@ def test_a_removal_killed_at_any_step_lists_only_complete_saves(tmp_path):
         with strategy.scope():
             weights = mpidist.Variable(np.full(64, 5, np.float32), name="weights")
         path = tmp_path / "kill5"
-        Checkpoint(weights=weights).save(path, keep=1, chunk_bytes=64)
+        Checkpoint(weights=weights).save(path, keep=1, block_bytes=64)
     finally:
         strategy.free()
     assert sorted(p.name for p in path.iterdir()) == ["ckpt-000005"]

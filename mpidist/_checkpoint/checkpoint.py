@@ -26,14 +26,14 @@ usable without MPI); this module adds the collective protocol:
    mirrored variable is always saved as rank 0's value, never as a mix.
 2. Rank 0 creates a hidden temporary directory with every ``.npy`` file
    pre-sized; the directory must be on a file system all ranks share.
-3. Every rank writes its share of the bytes (whole chunks, balanced over the
+3. Every rank writes its share of the bytes (whole blocks, balanced over the
    ranks) with ``os.pwrite``, computes their CRC-32s and fsyncs.
 4. Ranks agree that all writes succeeded; rank 0 writes the manifest and
    renames the directory into place (the commit), then prunes old saves.
 
 Restore reads and checks the manifest and the data files' types and sizes on
 rank 0, checks every item against it on every rank, lets each rank read and
-verify only its share of the chunks, agrees that all of that succeeded, and
+verify only its share of the blocks, agrees that all of that succeeded, and
 only then modifies anything. The shares are split among the ranks of each
 node, so every byte is read from the file system once per node, and
 exchanged within the node (one broadcast from the rank that read an array, or one
@@ -72,7 +72,7 @@ _ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (ChecksumError, CheckpointError, FileNotFoundError, TypeError, ValueError, RuntimeError)
 }
-# Arrays larger than this are exchanged in rounds of one chunk per rank (MPI counts are 32-bit).
+# Arrays larger than this are exchanged in rounds of one block per rank (MPI counts are 32-bit).
 _MAX_GATHER_BYTES = 1 << 30
 # Unit of the mirror check's checksums (and of its device-to-host copies).
 _FINGERPRINT_PIECE = 8 << 20
@@ -179,7 +179,8 @@ class Checkpoint:
 
     # -- save ----------------------------------------------------------------------------
     def save(self, path: fmt.PathLike, *, keep: int = 1, fsync: bool = True,
-             chunk_bytes: int = fmt.CHUNK_BYTES, check_mirrors: bool = True) -> str:
+             block_bytes: int = fmt.BLOCK_BYTES, check_mirrors: bool = True,
+             chunk_bytes: Optional[int] = None) -> str:
         """Collective: write a new save into checkpoint directory ``path``; returns its directory.
 
         The save becomes visible in one atomic rename after every byte is
@@ -197,8 +198,8 @@ class Checkpoint:
             fsync: flush data, manifest and directories to stable storage
                 before the commit (survives a power loss, not only a crash).
                 Turn off only for scratch checkpoints.
-            chunk_bytes: unit of checksums and of the work split between
-                ranks (default 8 MiB; a multiple of 32, ideally of the file
+            block_bytes: size of the blocks of data that are checksummed
+                and dealt out to the ranks (default 8 MiB; a multiple of 32, ideally of the file
                 system's stripe size).
             check_mirrors: compare a CRC-32 of every mirrored variable's
                 component between ranks before writing anything, and raise
@@ -208,6 +209,7 @@ class Checkpoint:
                 are broadcast to the other ranks (which write their share of
                 them), so a mirrored variable is saved as rank 0's value
                 also when its components diverged.
+            chunk_bytes: the former name of ``block_bytes``, still accepted.
 
         Raises:
             ValueError: ranks disagree on items or arguments, or bad arguments.
@@ -220,17 +222,15 @@ class Checkpoint:
         strategy = self._strategy_for("save")
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"Checkpoint.save: keep must be a positive int (how many saves to keep), got {keep!r}")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 32 or chunk_bytes % 32:
-            raise ValueError("Checkpoint.save: chunk_bytes must be a positive multiple of 32 (the largest item "
-                             f"size), got {chunk_bytes!r}")
+        block_bytes = _block_size(block_bytes, chunk_bytes)
         run = _Protocol(strategy, f"Checkpoint.save to {os.fspath(path)} failed, the saves already there are intact")
         check = bool(check_mirrors) and run.size > 1
-        entries = self._agree_on_entries(run, [os.fspath(path), keep, fsync, chunk_bytes, check], check)
+        entries = self._agree_on_entries(run, [os.fspath(path), keep, fsync, block_bytes, check], check)
         values = self._values(strategy, rank0_mirrors=not check)
         arrays = [e for e in entries if e["kind"] in fmt.ARRAY_KINDS]
         tmp, number = self._prepare(run, path, arrays)
         try:
-            crcs = self._write_shares(run, tmp, arrays, values, chunk_bytes, fsync)
+            crcs = self._write_shares(run, tmp, arrays, values, block_bytes, fsync)
         except BaseException:
             if run.rank == 0:
                 fmt.discard(tmp)
@@ -241,9 +241,9 @@ class Checkpoint:
         if run.rank == 0:
             try:
                 for entry in arrays:
-                    entry["chunk_crc32"] = [crcs[entry["name"]][i]
-                                            for i in range(fmt.chunk_count(entry["nbytes"], chunk_bytes))]
-                manifest = fmt.encode_manifest(fmt.make_manifest(entries, run.size, chunk_bytes))
+                    entry[fmt.BLOCK_CRCS_KEY] = [crcs[entry["name"]][i]
+                                                 for i in range(fmt.block_count(entry["nbytes"], block_bytes))]
+                manifest = fmt.encode_manifest(fmt.make_manifest(entries, run.size, block_bytes))
                 validate.decode_manifest(manifest, str(tmp / fmt.MANIFEST))  # never write what a reader refuses
                 final = fmt.commit(tmp, number, manifest, fsync)
                 payload = {"path": str(final), "problems": fmt.prune(Path(path), keep, final)}
@@ -276,7 +276,7 @@ class Checkpoint:
         replies = run.gather({"items": descriptions, "args": args, "states": states, "mirrors": mirrors}, failure)
         run.same([r["items"] for r in replies], "the checkpoint's items")
         run.same([r["args"] for r in replies],
-                 "the arguments of save (path, keep, fsync, chunk_bytes, check_mirrors)")
+                 "the arguments of save (path, keep, fsync, block_bytes, check_mirrors)")
         _check_mirrors(run.what, [r["mirrors"] for r in replies])
         return self._entries(descriptions, [r["states"] for r in replies])
 
@@ -298,24 +298,24 @@ class Checkpoint:
         return Path(reply["tmp"]), reply["number"]
 
     def _write_shares(self, run: "_Protocol", tmp: Path, arrays: list[dict], values: dict[str, Any],
-                      chunk_bytes: int, fsync: bool) -> dict[str, dict[int, int]]:
-        """Collective: every rank writes and checksums its share; all chunks' CRC-32s, by entry."""
+                      block_bytes: int, fsync: bool) -> dict[str, dict[int, int]]:
+        """Collective: every rank writes and checksums its share; all blocks' CRC-32s, by entry."""
         failure: Optional[BaseException] = None
         crcs: dict[str, dict[int, int]] = {}
-        ranges = fmt.share_ranges([e["nbytes"] for e in arrays], run.size, chunk_bytes,
+        ranges = fmt.share_ranges([e["nbytes"] for e in arrays], run.size, block_bytes,
                                   rank0_only=[e["kind"] == fmt.ARRAY for e in arrays])
         try:
             self._check_visible(tmp, run.rank)
             pieces = [fmt.Piece(e, lo, hi, _host_bytes(values[e["name"]], lo, hi))
                       for e, shares in zip(arrays, ranges) for lo, hi in [shares[run.rank]] if hi > lo]
-            crcs = fmt.write_pieces(tmp, pieces, chunk_bytes, fmt.io_threads(run.comm.local_size), fsync)
+            crcs = fmt.write_pieces(tmp, pieces, block_bytes, fmt.io_threads(run.comm.local_size), fsync)
         except Exception as exc:
             failure = exc
         replies = run.gather({name: {str(k): v for k, v in c.items()} for name, c in crcs.items()}, failure)
         merged: dict[str, dict[int, int]] = {e["name"]: {} for e in arrays}
         for reply in replies:
-            for name, chunks in reply.items():
-                merged[name].update((int(k), v) for k, v in chunks.items())
+            for name, blocks in reply.items():
+                merged[name].update((int(k), v) for k, v in blocks.items())
         return merged
 
     # -- restore -------------------------------------------------------------------------
@@ -350,15 +350,15 @@ class Checkpoint:
             failure = exc
         run.same(run.gather(descriptions, failure), "the checkpoint's items")
         arrays = [(kind, obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
-        chunk_bytes = manifest["chunk_bytes"]
+        block_bytes = manifest[fmt.BLOCK_BYTES_KEY]
         node = run.comm.node()  # the ranks that share this node's memory: each byte is read once per node
-        ranges = fmt.share_ranges([entry["nbytes"] for *_, entry in arrays], node.size, chunk_bytes)
+        ranges = fmt.share_ranges([entry["nbytes"] for *_, entry in arrays], node.size, block_bytes)
         shares = self._read_shares(run, node.rank, directory, manifest, [entry for *_, entry in arrays], ranges)
         self._set_states(run, [(name, obj, entry) for name, kind, obj, entry in plan if kind == fmt.STATE])
         # nothing can fail any more: exchange the shares within each node and assign
         for (kind, obj, entry), entry_ranges, share in zip(arrays, ranges, shares):
             target = _direct_target(strategy, kind, obj)
-            data = self._assemble(node, entry, entry_ranges, share, chunk_bytes, target)
+            data = self._assemble(node, entry, entry_ranges, share, block_bytes, target)
             if target is not None:
                 continue  # the allgather wrote the value in place
             value = fmt.entry_array(entry, data)
@@ -541,7 +541,7 @@ class Checkpoint:
 
     @staticmethod
     def _assemble(comm: Any, entry: dict, shares: list[tuple[int, int]], mine: np.ndarray,
-                  chunk_bytes: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+                  block_bytes: int, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Collective over ``comm``: the entry's bytes on every rank, from each rank's share (contiguous, in
         rank order); into ``out`` (``uint8``, the entry's size) when given."""
         if comm.size == 1 or entry["nbytes"] == 0:
@@ -552,24 +552,37 @@ class Checkpoint:
         name = f"checkpoint entry {entry['name']!r}"
         if entry["nbytes"] <= _MAX_GATHER_BYTES:
             owners = [r for r, (lo, hi) in enumerate(shares) if hi > lo]
-            if len(owners) == 1:  # one rank read it all (shares deal whole chunks): a broadcast
+            if len(owners) == 1:  # one rank read it all (shares deal whole blocks): a broadcast
                 full = out if out is not None else np.empty(entry["nbytes"], np.uint8)
                 if comm.rank == owners[0]:
                     full[...] = mine
                 return comm.broadcast(full, owners[0], name=name)
             return comm.allgather(mine, name=name, out=out)
-        # in rounds: round k gathers every rank's k-th chunk
+        # in rounds: round k gathers every rank's k-th block
         full = np.empty(entry["nbytes"], np.uint8) if out is None else out
-        rounds = max(fmt.chunk_count(hi - lo, chunk_bytes) for lo, hi in shares)
+        rounds = max(fmt.block_count(hi - lo, block_bytes) for lo, hi in shares)
         for k in range(rounds):
-            got = comm.allgather(mine[k * chunk_bytes:(k + 1) * chunk_bytes], name=name)
+            got = comm.allgather(mine[k * block_bytes:(k + 1) * block_bytes], name=name)
             offset = 0
             for lo, hi in shares:
-                start = lo + k * chunk_bytes
-                n = max(0, min(chunk_bytes, hi - start))
+                start = lo + k * block_bytes
+                n = max(0, min(block_bytes, hi - start))
                 full[start:start + n] = got[offset:offset + n]
                 offset += n
         return full
+
+
+def _block_size(block_bytes: Any, chunk_bytes: Any) -> int:
+    """The block size save was given (``chunk_bytes`` is its former name), checked. Local."""
+    if chunk_bytes is not None:
+        if block_bytes != fmt.BLOCK_BYTES:
+            raise ValueError(f"Checkpoint.save: got block_bytes={block_bytes!r} and chunk_bytes={chunk_bytes!r}; "
+                             "chunk_bytes is the former name of block_bytes: pass block_bytes only")
+        block_bytes = chunk_bytes
+    if not isinstance(block_bytes, int) or block_bytes < 32 or block_bytes % 32:
+        raise ValueError("Checkpoint.save: block_bytes must be a positive multiple of 32 (the largest item "
+                         f"size), got {block_bytes!r}")
+    return block_bytes
 
 
 def _direct_target(strategy: "MPIStrategy", kind: str, obj: Any) -> Optional[np.ndarray]:

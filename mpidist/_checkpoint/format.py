@@ -25,12 +25,12 @@ together with leftovers of killed saves and removals. Reading a save (with
 every check a reader makes on files it did not write) is in
 :mod:`mpidist._checkpoint.reader` and :mod:`mpidist._checkpoint.validate`.
 
-Checksums: CRC-32 (``zlib.crc32``) of every piece of ``chunk_bytes`` bytes of
+Checksums: CRC-32 (``zlib.crc32``) of every *block* of ``block_bytes`` bytes of
 array data, of each ``.npy`` header, and of the manifest itself. CRC-32 is
 the fastest checksum in the standard library (about 4 GB/s per core, faster
 than any ``hashlib`` digest), detects every burst error up to 32 bits, a
 truncation (sizes are recorded too) and random damage with probability
-1 - 2^-32 per piece; anyone can recompute it with ``zlib.crc32``. It does not
+1 - 2^-32 per block; anyone can recompute it with ``zlib.crc32``. It does not
 protect against deliberate tampering; nothing in the file is executable, so
 tampering can at worst change values.
 
@@ -59,7 +59,7 @@ from mpidist._units import human_size
 from mpidist._version import __version__
 
 __all__ = [
-    "CHUNK_BYTES",
+    "BLOCK_BYTES",
     "list_versions",
     "share_ranges",
 ]
@@ -70,7 +70,10 @@ MANIFEST = "manifest.json"
 VERSION_PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-ckpt-"
 OLD_PREFIX = ".old-ckpt-"
-CHUNK_BYTES = 8 << 20
+BLOCK_BYTES = 8 << 20
+# The manifest's keys for the block size and the blocks' CRC-32s keep the names format 1 gave them
+# on disk ("chunk"), so that every save ever written and every reader stay compatible.
+BLOCK_BYTES_KEY, BLOCK_CRCS_KEY = "chunk_bytes", "chunk_crc32"
 
 MIRRORED, SYNC_ON_READ, ARRAY, STATE = "mirrored", "sync_on_read", "array", "state"
 ARRAY_KINDS = (MIRRORED, SYNC_ON_READ, ARRAY)
@@ -114,24 +117,25 @@ def is_data_file_name(name: str) -> bool:
     return _FILE_RE.match(name) is not None
 
 
-def chunk_count(nbytes: int, chunk_bytes: int) -> int:
-    return -(-nbytes // chunk_bytes)
+def block_count(nbytes: int, block_bytes: int) -> int:
+    """How many checksummed blocks ``nbytes`` of data make (the last one may be shorter)."""
+    return -(-nbytes // block_bytes)
 
 
-def share_ranges(sizes: Sequence[int], nranks: int, chunk_bytes: int,
+def share_ranges(sizes: Sequence[int], nranks: int, block_bytes: int,
                  rank0_only: Optional[Sequence[bool]] = None) -> list[list[tuple[int, int]]]:
-    """Split the bytes of several arrays between ``nranks`` ranks, in whole chunks.
+    """Split the bytes of several arrays between ``nranks`` ranks, in whole blocks.
 
     Returns ``ranges[e][r] = (lo, hi)``: the bytes of entry ``e`` that rank
     ``r`` handles. Within an entry the ranks' ranges are contiguous, in rank
     order, and together cover the entry; boundaries fall on multiples of
-    ``chunk_bytes``. The chunks of all entries (except those in
+    ``block_bytes``. The blocks of all entries (except those in
     ``rank0_only``, which rank 0 handles alone) are dealt out as one stream,
     each rank getting an equal share of the bytes, so many small arrays are
     spread over the ranks as well as one large one.
     """
-    if nranks < 1 or chunk_bytes < 1:
-        raise ValueError(f"share_ranges needs nranks >= 1 and chunk_bytes >= 1, got {nranks}, {chunk_bytes}")
+    if nranks < 1 or block_bytes < 1:
+        raise ValueError(f"share_ranges needs nranks >= 1 and block_bytes >= 1, got {nranks}, {block_bytes}")
     fixed = list(rank0_only) if rank0_only is not None else [False] * len(sizes)
     total = sum(int(s) for s, f in zip(sizes, fixed) if not f)
     result: list[list[tuple[int, int]]] = []
@@ -141,12 +145,12 @@ def share_ranges(sizes: Sequence[int], nranks: int, chunk_bytes: int,
         if alone:
             result.append([(0, size)] + [(size, size)] * (nranks - 1))
             continue
-        # bounds[r]: where rank r's range starts. A chunk goes to the rank owning its midpoint
-        # in the stream; owners never decrease along the stream, so each rank's chunks are contiguous.
+        # bounds[r]: where rank r's range starts. A block goes to the rank owning its midpoint
+        # in the stream; owners never decrease along the stream, so each rank's blocks are contiguous.
         bounds = [size] * (nranks + 1)
         next_rank = 0
-        for lo in range(0, size, chunk_bytes):
-            hi = min(lo + chunk_bytes, size)
+        for lo in range(0, size, block_bytes):
+            hi = min(lo + block_bytes, size)
             owner = min(nranks - 1, (2 * (pos + lo) + (hi - lo)) * nranks // (2 * total))
             while next_rank <= owner:
                 bounds[next_rank] = lo
@@ -163,7 +167,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-def _write_chunk(fd: int, data: memoryview, offset: int) -> int:
+def _write_block(fd: int, data: memoryview, offset: int) -> int:
     """Write ``data`` at ``offset``; returns its CRC-32."""
     _pwrite_all(fd, data, offset)
     return zlib.crc32(data)
@@ -198,9 +202,9 @@ class Piece:
     buffer: Any = None  # uint8 array of hi - lo bytes (data to write, or where reads land; made by the reader)
 
 
-def write_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads: int,
+def write_pieces(directory: Path, pieces: list[Piece], block_bytes: int, threads: int,
                  fsync: bool) -> dict[str, dict[int, int]]:
-    """Write each piece's buffer into its entry's (pre-sized) file; return ``{name: {chunk: crc32}}``.
+    """Write each piece's buffer into its entry's (pre-sized) file; return ``{name: {block: crc32}}``.
 
     The files must exist (see :func:`create_files`). Files are fsynced before
     returning when ``fsync``. Local.
@@ -214,10 +218,10 @@ def write_pieces(directory: Path, pieces: list[Piece], chunk_bytes: int, threads
                 fds[entry["file"]] = os.open(directory / entry["file"], os.O_WRONLY)
             fd = fds[entry["file"]]
             view = memoryview(piece.buffer)
-            for lo in range(piece.lo, piece.hi, chunk_bytes):
-                part = view[lo - piece.lo:min(lo + chunk_bytes, piece.hi) - piece.lo]
+            for lo in range(piece.lo, piece.hi, block_bytes):
+                part = view[lo - piece.lo:min(lo + block_bytes, piece.hi) - piece.lo]
                 tasks.append(lambda fd=fd, part=part, lo=lo, entry=entry: (
-                    entry["name"], lo // chunk_bytes, _write_chunk(fd, part, entry["data_offset"] + lo)))
+                    entry["name"], lo // block_bytes, _write_block(fd, part, entry["data_offset"] + lo)))
         crcs: dict[str, dict[int, int]] = {}
         for name, index, crc in run_tasks(tasks, threads):
             crcs.setdefault(name, {})[index] = crc
@@ -241,10 +245,10 @@ def encode_manifest(manifest: dict) -> bytes:
     return json.dumps({**body, "manifest_crc32": zlib.crc32(canonical(body))}, indent=1).encode()
 
 
-def make_manifest(entries: list[dict], world_size: int, chunk_bytes: int) -> dict:
+def make_manifest(entries: list[dict], world_size: int, block_bytes: int) -> dict:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "mpidist_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": world_size,
-            "checksum": "crc32", "chunk_bytes": chunk_bytes, "entries": entries}
+            "checksum": "crc32", BLOCK_BYTES_KEY: block_bytes, "entries": entries}
 
 
 def entry_array(entry: dict, buffer: Any) -> np.ndarray:

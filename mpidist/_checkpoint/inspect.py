@@ -101,8 +101,8 @@ def _print_report(report: Any) -> None:
     print(printable(f"checkpoint {report.directory}"))
     print(printable(f"  saved {manifest['created']} by mpidist {manifest['mpidist_version']} on "
                     f"{manifest['world_size']} rank{'s' if manifest['world_size'] != 1 else ''}; format "
-                    f"{manifest['format_version']}; {manifest['checksum']} per {human_size(manifest['chunk_bytes'])} "
-                    "chunk"))
+                    f"{manifest['format_version']}; {manifest['checksum']} per "
+                    f"{human_size(manifest[fmt.BLOCK_BYTES_KEY])} block"))
     rows = [{k: printable(v) for k, v in fmt.describe_entry(e).items()} for e in manifest["entries"]]
     failed = "DAMAGED" if report.status == DAMAGED else "UNREADABLE"
     for entry, row in zip(manifest["entries"], rows):

@@ -22,8 +22,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mpidist._checkpoint.format import (ARRAY_KINDS, MANIFEST, VERSION_PREFIX, PathLike, Piece, entry_array,
-                                        io_threads, list_versions, pread_into, run_tasks)
+from mpidist._checkpoint.format import (ARRAY_KINDS, BLOCK_BYTES_KEY, BLOCK_CRCS_KEY, MANIFEST, VERSION_PREFIX,
+                                        PathLike, Piece, entry_array, io_threads, list_versions, pread_into,
+                                        run_tasks)
 from mpidist._checkpoint.validate import MAX_MANIFEST_BYTES, decode_manifest
 from mpidist._errors import CheckpointError, ChecksumError
 
@@ -204,11 +205,11 @@ class Save:
             os.close(self.open_entry(entry))
 
     def read(self, pieces: list[Piece], threads: int, verify: bool = True) -> None:
-        """Read each piece into a new buffer (``piece.buffer``), with ``verify`` checking each chunk's CRC-32. Local.
+        """Read each piece into a new buffer (``piece.buffer``), with ``verify`` checking each block's CRC-32. Local.
 
         Every file is opened and its size checked before any buffer is
         allocated. Raises like :meth:`open_entry`, and :class:`ChecksumError`
-        for a chunk that does not match its CRC-32.
+        for a block that does not match its CRC-32.
         """
         fds: dict[str, int] = {}
         try:
@@ -218,28 +219,28 @@ class Save:
             tasks = []
             for piece in pieces:
                 piece.buffer = np.empty(piece.hi - piece.lo, np.uint8)
-                tasks += self._chunk_tasks(fds[piece.entry["file"]], piece, verify)
+                tasks += self._block_tasks(fds[piece.entry["file"]], piece, verify)
             run_tasks(tasks, threads)
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _chunk_tasks(self, fd: int, piece: Piece, verify: bool) -> list[Any]:
-        chunk, entry = self.manifest["chunk_bytes"], piece.entry
+    def _block_tasks(self, fd: int, piece: Piece, verify: bool) -> list[Any]:
+        block, entry = self.manifest[BLOCK_BYTES_KEY], piece.entry
         path, view = self.directory / entry["file"], memoryview(piece.buffer)
-        return [lambda lo=lo: _read_chunk(fd, view[lo - piece.lo:min(lo + chunk, piece.hi) - piece.lo], lo, entry,
-                                          path, chunk, verify)
-                for lo in range(piece.lo, piece.hi, chunk)]
+        return [lambda lo=lo: _read_block(fd, view[lo - piece.lo:min(lo + block, piece.hi) - piece.lo], lo, entry,
+                                          path, block, verify)
+                for lo in range(piece.lo, piece.hi, block)]
 
     def verify_entry(self, entry: dict, threads: int) -> None:
-        """Check an entry's file and every chunk's CRC-32, holding only ``threads`` chunks in memory. Local."""
+        """Check an entry's file and every block's CRC-32, holding only ``threads`` blocks in memory. Local."""
         fd = self.open_entry(entry)
         try:
-            step = self.manifest["chunk_bytes"] * threads
+            step = self.manifest[BLOCK_BYTES_KEY] * threads
             buffer = np.empty(min(step, entry["nbytes"]), np.uint8)
             for lo in range(0, entry["nbytes"], step):
                 piece = Piece(entry, lo, min(lo + step, entry["nbytes"]), buffer[:min(step, entry["nbytes"] - lo)])
-                run_tasks(self._chunk_tasks(fd, piece, True), threads)
+                run_tasks(self._block_tasks(fd, piece, True), threads)
         finally:
             os.close(fd)
 
@@ -264,18 +265,18 @@ def _read_manifest(fd: int, directory: Path) -> dict:
     return decode_manifest(bytes(data[:got]), str(path))
 
 
-def _read_chunk(fd: int, out: memoryview, lo: int, entry: dict, path: Path, chunk_bytes: int, verify: bool) -> None:
+def _read_block(fd: int, out: memoryview, lo: int, entry: dict, path: Path, block_bytes: int, verify: bool) -> None:
     try:
         got = pread_into(fd, out, entry["data_offset"] + lo)
     except OSError as exc:
         raise _unreadable(path, exc) from None
-    index = lo // chunk_bytes
-    where = f"{path}: {entry['name']!r}, bytes {lo}-{lo + len(out)} (chunk {index})"
+    index = lo // block_bytes
+    where = f"{path}: {entry['name']!r}, bytes {lo}-{lo + len(out)} (block {index})"
     if got < len(out):
         raise ChecksumError(f"{where}: the file ends after {entry['data_offset'] + lo + got} bytes; it was "
                             "truncated after it was written", file=str(path), entry=entry["name"])
     if verify:
-        expected, found = entry["chunk_crc32"][index], zlib.crc32(out)
+        expected, found = entry[BLOCK_CRCS_KEY][index], zlib.crc32(out)
         if found != expected:
             raise ChecksumError(f"{where}: CRC-32 {found:08x} does not match the recorded {expected:08x}; the "
                                 "file was altered or damaged after it was written", file=str(path),
@@ -288,7 +289,7 @@ def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndar
     Args:
         path: a checkpoint directory (its newest save is read) or one save
             inside it (``path/ckpt-000003``).
-        verify: check the CRC-32 of every chunk of data (default). Without
+        verify: check the CRC-32 of every block of data (default). Without
             it, the manifest, the type, size and ``.npy`` header of every
             data file are still checked; only the data's checksums are not
             computed.
@@ -335,7 +336,7 @@ def inspect(path: PathLike, *, verify: bool = True) -> Report:
     """Describe one save and check it, collecting every entry's problem. Local.
 
     Every data file's type, size and header are checked; with ``verify``
-    also every chunk's CRC-32 (which reads all the data).
+    also every block's CRC-32 (which reads all the data).
 
     Raises:
         FileNotFoundError: no complete save at ``path``.

@@ -18,8 +18,9 @@ import re
 import zlib
 from typing import Any
 
-from mpidist._checkpoint.format import (ARRAY_KINDS, FORMAT, FORMAT_VERSION, MIRRORED, STATE,
-                                        SYNC_ON_READ, canonical, check_dtype, chunk_count, is_data_file_name)
+from mpidist._checkpoint.format import (ARRAY_KINDS, BLOCK_BYTES_KEY, BLOCK_CRCS_KEY, FORMAT, FORMAT_VERSION,
+                                        MIRRORED, STATE, SYNC_ON_READ, block_count, canonical, check_dtype,
+                                        is_data_file_name)
 from mpidist._distribute.variables import VariableAggregation
 from mpidist._errors import CheckpointError, ChecksumError
 from mpidist._version import __version__
@@ -32,7 +33,7 @@ MAX_DEPTH = 64
 MAX_DIMS = 64
 MAX_HEADER_BYTES = 1 << 16
 _MAX_WORLD = (1 << 31) - 1
-_MAX_CHUNK = 1 << 40
+_MAX_BLOCK = 1 << 40
 _MAX_TEXT = 4096
 _AGGREGATIONS = frozenset(a.value for a in VariableAggregation)
 # What dtype.str looks like for the dtypes a checkpoint holds: byte order, kind, item size, datetime unit.
@@ -102,7 +103,7 @@ def check_manifest(manifest: dict) -> None:
     for key in ("created", "mpidist_version"):
         _need(manifest, key, lambda v: isinstance(v, str) and len(v) <= _MAX_TEXT)
     world = _need(manifest, "world_size", lambda v: _is_int(v) and 1 <= v <= _MAX_WORLD)
-    chunk = _need(manifest, "chunk_bytes", lambda v: _is_int(v) and 1 <= v <= _MAX_CHUNK)
+    block = _need(manifest, BLOCK_BYTES_KEY, lambda v: _is_int(v) and 1 <= v <= _MAX_BLOCK)
     entries = _need(manifest, "entries", lambda v: isinstance(v, list))
     names: set[str] = set()
     files: set[str] = set()
@@ -117,7 +118,7 @@ def check_manifest(manifest: dict) -> None:
         if kind == STATE:
             _check_state(entry, world)
         elif kind in ARRAY_KINDS:
-            _check_array(entry, chunk, files)
+            _check_array(entry, block, files)
         else:
             raise ValueError(f"entry {name!r} has unknown kind {kind!r}")
 
@@ -130,7 +131,7 @@ def _check_state(entry: dict, world: int) -> None:
         _need(entry, "rank_states", lambda v: isinstance(v, list) and len(v) == world)
 
 
-def _check_array(entry: dict, chunk: int, files: set[str]) -> None:
+def _check_array(entry: dict, block: int, files: set[str]) -> None:
     name, kind = entry["name"], entry["kind"]
     descr = _need(entry, "dtype", lambda v: isinstance(v, str) and _DTYPE_RE.match(v) is not None)
     try:
@@ -142,17 +143,18 @@ def _check_array(entry: dict, chunk: int, files: set[str]) -> None:
     nbytes = _need(entry, "nbytes", _is_int)
     if nbytes != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"entry {name!r}: nbytes {nbytes} does not match shape {shape} of {dtype}")
-    if chunk % dtype.itemsize:
-        raise ValueError(f"entry {name!r}: chunk_bytes {chunk} is not a multiple of the item size of {dtype}")
+    if block % dtype.itemsize:
+        raise ValueError(f"entry {name!r}: the block size {block} ({BLOCK_BYTES_KEY}) is not a multiple of the "
+                         f"item size of {dtype}")
     file = _need(entry, "file", lambda v: isinstance(v, str) and is_data_file_name(v))
     if file in files:
         raise ValueError(f"entry {name!r}: file {file!r} belongs to another entry too")
     files.add(file)
     _need(entry, "data_offset", lambda v: _is_int(v) and 0 < v <= MAX_HEADER_BYTES)
     _need(entry, "header_crc32", _is_crc)
-    crcs = _need(entry, "chunk_crc32", lambda v: isinstance(v, list) and len(v) == chunk_count(nbytes, chunk))
+    crcs = _need(entry, BLOCK_CRCS_KEY, lambda v: isinstance(v, list) and len(v) == block_count(nbytes, block))
     if not all(_is_crc(c) for c in crcs):
-        raise ValueError(f"entry {name!r}: a chunk checksum is not a 32-bit unsigned int")
+        raise ValueError(f"entry {name!r}: a block checksum is not a 32-bit unsigned int")
     aggregation = entry.get("aggregation")
     if aggregation not in (_AGGREGATIONS if kind in (MIRRORED, SYNC_ON_READ) else (None,)):
         raise ValueError(f"entry {name!r}: aggregation {aggregation!r} is not one of a {kind} entry's")
