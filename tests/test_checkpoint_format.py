@@ -298,6 +298,28 @@ def test_restore_checks_before_it_modifies(strategy, tmp_path):
     assert (table == -1).all() and position.position == -1
 
 
+def test_restores_reuse_one_share_buffer_and_still_check_before_modifying(strategy, tmp_path):
+    checkpoint, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
+    table, weights = checkpoint.items["table"], checkpoint.items["weights"]
+    checkpoint.restore(tmp_path / "ckpt")
+    buffer = checkpoint._share_buffer
+    table[...] = -1
+    checkpoint.restore(tmp_path / "ckpt")
+    assert checkpoint._share_buffer is buffer  # no new memory for the second restore
+    np.testing.assert_array_equal(table, EXPECTED["table"])
+    np.testing.assert_array_equal(weights.numpy(), EXPECTED["weights"])
+    path, _ = data_file(save_dir, "weights")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    table[...] = -1
+    with strategy.scope():
+        weights.assign(np.zeros_like(EXPECTED["weights"]))
+    with pytest.raises(ChecksumError, match="nothing was modified.*weights"):
+        checkpoint.restore(tmp_path / "ckpt")
+    assert (table == -1).all() and (weights.numpy() == 0).all()
+
+
 # -- saves, keep, leftovers ------------------------------------------------------------------------
 def test_keep_the_newest_saves_and_read_older_ones(strategy, tmp_path):
     table = np.zeros(4, np.int32)

@@ -168,6 +168,7 @@ class Checkpoint:
             raise ValueError("Checkpoint items belong to different strategies; a checkpoint saves the variables "
                              "of one strategy: make one Checkpoint per strategy")
         self._strategy = next(iter(strategies.values()), None)
+        self._share_buffer: Optional[np.ndarray] = None  # what this rank's last restore read into, reused
 
     @property
     def items(self) -> Mapping[str, Any]:
@@ -330,6 +331,11 @@ class Checkpoint:
         nothing changed. Entries of the checkpoint without an item here are
         ignored.
 
+        Each rank reads its share into a host buffer (the restored bytes
+        divided by the ranks on its node) that this Checkpoint keeps for its
+        next restore, so restoring again (a rollback) allocates no new memory;
+        drop the Checkpoint to release it.
+
         Raises:
             FileNotFoundError: no complete save at ``path``.
             ValueError: an item is missing from the checkpoint, or its shape,
@@ -392,12 +398,30 @@ class Checkpoint:
                   for lo, hi in [entry_ranges[share]]]
         try:
             self._check_visible(directory, run.rank)
+            self._place(pieces)
             with Save.at(directory, manifest) as save:
                 save.read([p for p in pieces if p.hi > p.lo], fmt.io_threads(run.comm.local_size))
         except Exception as exc:
             failure = exc
         run.gather(None, failure)
-        return [p.buffer if p.hi > p.lo else np.empty(0, np.uint8) for p in pieces]
+        return [p.buffer for p in pieces]
+
+    def _place(self, pieces: list[fmt.Piece]) -> None:
+        """Give each piece its consecutive part of this rank's share buffer, which later restores reuse. Local.
+
+        Reading into memory that an earlier restore already touched costs no
+        page faults, a large part of the cost of reading into new memory. The
+        buffer grows when a restore needs more; it lives as long as this
+        Checkpoint.
+        """
+        total = sum(p.hi - p.lo for p in pieces)
+        if self._share_buffer is None or self._share_buffer.size < total:
+            self._share_buffer = None  # let the smaller one go before the larger one is allocated
+            self._share_buffer = np.empty(total, np.uint8)
+        offset = 0
+        for piece in pieces:
+            piece.buffer = self._share_buffer[offset:offset + piece.hi - piece.lo]
+            offset += piece.hi - piece.lo
 
     def _set_states(self, run: "_Protocol", states: list[tuple[str, Any, dict]]) -> None:
         """Collective: ``set_state`` of each iterator; rolled back on every rank unless all ranks succeeded."""

@@ -199,7 +199,7 @@ class Piece:
     entry: dict
     lo: int
     hi: int
-    buffer: Any = None  # uint8 array of hi - lo bytes (data to write, or where reads land; made by the reader)
+    buffer: Any = None  # uint8 array of hi - lo bytes (data to write, or where reads land; made by the reader if None)
 
 
 def write_pieces(directory: Path, pieces: list[Piece], block_bytes: int, threads: int,

@@ -205,11 +205,12 @@ class Save:
             os.close(self.open_entry(entry))
 
     def read(self, pieces: list[Piece], threads: int, verify: bool = True) -> None:
-        """Read each piece into a new buffer (``piece.buffer``), with ``verify`` checking each block's CRC-32. Local.
+        """Read each piece into ``piece.buffer``, with ``verify`` checking each block's CRC-32. Local.
 
-        Every file is opened and its size checked before any buffer is
-        allocated. Raises like :meth:`open_entry`, and :class:`ChecksumError`
-        for a block that does not match its CRC-32.
+        A piece without a buffer gets a new one. Every file is opened and its
+        size checked before any buffer is allocated. Raises like
+        :meth:`open_entry`, and :class:`ChecksumError` for a block that does
+        not match its CRC-32.
         """
         fds: dict[str, int] = {}
         try:
@@ -218,7 +219,8 @@ class Save:
                     fds[piece.entry["file"]] = self.open_entry(piece.entry)
             tasks = []
             for piece in pieces:
-                piece.buffer = np.empty(piece.hi - piece.lo, np.uint8)
+                if piece.buffer is None:
+                    piece.buffer = np.empty(piece.hi - piece.lo, np.uint8)
                 tasks += self._block_tasks(fds[piece.entry["file"]], piece, verify)
             run_tasks(tasks, threads)
         finally:
