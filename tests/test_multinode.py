@@ -10,6 +10,8 @@ second through the cluster's ssh stand-in (Open MPI: ``plm_ssh_agent``; MPICH: `
 under a timeout that kills the launcher's whole process tree. They run
 ``tests/samples/multinode_job.py``, which writes one report per rank; expectations follow from
 rank and size. A node is taken away mid-job by setting its link down, or by SIGKILLing its ranks.
+A Slurm with one ``slurmd`` per node runs the job scripts on both nodes, and ``jobs/train.sbatch``
+preempted, requeued and resumed there (``tests/requeue.py``).
 
 Not root: skipped with the reason, unless the system tests were asked for
 (``MPIDIST_TEST_SYSTEM=1``: ``tests/run.py --system``, ``CI=true``), which makes a failed set-up
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+import requeue
 from mpirun import _kill_job, mpi_env, run_command
 
 pytestmark = pytest.mark.multinode
@@ -86,8 +89,16 @@ class Cluster:
         env.pop("MPIEXEC_TIMEOUT", None)
         return env
 
-    def veth(self, node: int) -> str:
-        return self.env[f"VETH_{node}"]
+    def set_link(self, node: int, state: str) -> None:
+        """Set the host end of ``node``'s link ``"down"`` or ``"up"``.
+
+        Up again, every node also forgets the neighbours it failed to resolve meanwhile: until it
+        retried them, connecting to them fails with "No route to host".
+        """
+        subprocess.run(["ip", "link", "set", self.env[f"VETH_{node}"], state], check=True, timeout=30)
+        if state == "up":
+            for namespace in self.env["NAMESPACES"].split():
+                subprocess.run(["ip", "-n", namespace, "neigh", "flush", "all"], check=True, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -224,16 +235,15 @@ def test_node_link_down_every_rank_names_the_other_node(cluster, out):
     # Without abort_on_error every rank that raises writes its report and leaves (status 3): with
     # it, the first rank to raise ends the job, possibly before the others reached the deadline.
     proc = _start(cluster, out, MPIDIST_ABORT_ON_ERROR="0")
-    veth = cluster.veth(1)
     try:
         ready = _wait_for(out, "rank*.ready", SIZE, JOB_TIMEOUT, proc)
         assert len(ready) == SIZE, f"the job did not start: {_finish(proc, 0)[1]}"
-        subprocess.run(["ip", "link", "set", veth, "down"], check=True, timeout=30)
+        cluster.set_link(1, "down")
         down_at = time.time()
         found = _wait_for(out, "rank*.json", SIZE, DEADLINE + SLACK)
         ended, output = _finish(proc, 5)
     finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], timeout=30)
+        cluster.set_link(1, "up")
         if proc.poll() is None:
             _kill_job(proc)
     found = reports(out)
@@ -275,6 +285,9 @@ def test_killed_node_ends_the_job(cluster, out):
 
 # -- Slurm across the nodes --------------------------------------------------------------------
 SLURM_JOBS_TIMEOUT = 300  # seconds, all jobs together
+SLURM_TASKS = [f"--nodes={NODES}", f"--ntasks={SIZE}", f"--ntasks-per-node={PER_NODE}", "--cpus-per-task=1",
+               "--gpus-per-task=1"]
+PREEMPT_EPOCHS = 60  # long enough to be signalled while it trains (0.1-0.3 s an epoch here)
 
 
 @pytest.fixture(scope="module")
@@ -308,15 +321,11 @@ def slurm_finished(slurm, cluster):
     ids = {}
     try:
         for script, launcher in SLURM_JOBS:
-            env = dict(slurm, MPIDIST_VENV=sys.prefix, MPIDIST_LAUNCHER=launcher, MPIDIST_DEVICE="cpu",
-                       PYTHONDONTWRITEBYTECODE="1")
-            for name in ("MPIDIST_SRUN_MPI", "MPIDIST_MPIEXEC", "MPIDIST_JOBS"):
-                env.pop(name, None)
+            env = requeue.job_env(slurm, launcher)
             args = (["--epochs", "1", "--checkpoint-dir", str(workdir / f"ckpt-{launcher}")] if script == "train"
                     else [str(REPO / "tests" / "test_strategy.py"), "-k", "reduce"])
             command = ["sbatch", "--parsable", f"--job-name=mpidist-{script}-{launcher}", "--time=5",
-                       f"--output={workdir}/{script}-{launcher}.out", f"--nodes={NODES}",
-                       f"--ntasks={SIZE}", f"--ntasks-per-node={PER_NODE}", "--cpus-per-task=1", "--gpus-per-task=1",
+                       f"--output={workdir}/{script}-{launcher}.out", *SLURM_TASKS,
                        str(REPO / "jobs" / f"{script}.sbatch"), *args]
             result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO,
                                     stdin=subprocess.DEVNULL)
@@ -354,3 +363,19 @@ def test_slurm_jobs_on_two_nodes(slurm_finished, script, launcher):
         assert "epoch 1/1" in output and "final held-out accuracy" in output, report
     else:
         assert " passed" in output and " failed" not in output, report
+
+
+def test_slurm_job_on_two_nodes_requeued_after_preemption_resumes_to_the_same_result(slurm):
+    # jobs/train.sbatch under srun on 2 nodes x 2 tasks, signalled as --signal=B:USR1 does: every
+    # rank saves at the same step, the script requeues the job, and it resumes on both nodes.
+    workdir = _work_dir("mpidist-slurm-preempt-")
+    name, env = "preempt-two-nodes", requeue.job_env(slurm, "srun")
+    job_id = requeue.submit_training(env, workdir, name, workdir / name, PREEMPT_EPOCHS, SLURM_TASKS)
+    try:
+        requeue.training_started(workdir, name, PREEMPT_EPOCHS)
+        requeue.requeue_resumes_to_the_uninterrupted_result(env, job_id, workdir, name, PREEMPT_EPOCHS, SLURM_TASKS)
+        out = requeue.output(workdir, name)
+        assert out.count(f"mpidist doctor: {SIZE} ranks on {NODES} nodes") == 2, out[-6000:]  # both runs
+    finally:
+        requeue.run(["scancel", job_id], 30, env=env)  # a no-op once it ended
+        subprocess.run(["rm", "-rf", str(workdir)], timeout=60)

@@ -10,18 +10,15 @@ weights as an uninterrupted run.
 from __future__ import annotations
 
 import os
-import re
 import signal
-import sys
-import time
 
 import numpy as np
 import pytest
 
 import mpidist as md
+import requeue
 from mpidist._distribute.preemption import signal_numbers
-from test_slurm import (FINAL_STATES, JOBS, MPICH_START_FAILURE, REPO, TASKS, _run, _scontrol_jobs, cluster,
-                        xfail_if_mpich_failed_to_start)  # noqa: F401 (a fixture)
+from test_slurm import MPICH_START_FAILURE, TASKS, cluster, xfail_if_mpich_failed_to_start  # noqa: F401 (a fixture)
 
 STEPS = 20
 
@@ -141,47 +138,6 @@ def test_one_rank_stops_at_the_next_check():
 
 # -- the job script on a real Slurm -----------------------------------------------------------
 EPOCHS = 150  # long enough (several seconds) to be signalled while it trains
-WAIT = 180  # seconds for each phase of a job
-
-
-def _submit(cluster, workdir, launcher, name, ckpt):
-    env = dict(cluster.env, MPIDIST_VENV=sys.prefix, MPIDIST_LAUNCHER=launcher, MPIDIST_DEVICE="cpu",
-               PYTHONDONTWRITEBYTECODE="1")
-    for key in ("MPIDIST_SRUN_MPI", "MPIDIST_MPIEXEC", "MPIDIST_JOBS"):
-        env.pop(key, None)
-    command = ["sbatch", "--parsable", f"--job-name=mpidist-test-{name}", "--time=5",
-               f"--output={workdir}/{name}-%j.out", "--nodes=1", f"--ntasks-per-node={TASKS}", "--cpus-per-task=1",
-               *cluster.sbatch_args, JOBS / "train.sbatch", "--epochs", str(EPOCHS), "--checkpoint-dir", ckpt,
-               "--progress", "lines", "--data", "shipped"]
-    result = _run(command, 60, env=env, cwd=REPO)
-    assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
-    return result.stdout.strip().split(";")[0]
-
-
-def _output(workdir, name):
-    files = sorted(workdir.glob(f"{name}-*.out"))
-    return files[0].read_text(errors="replace") if files else ""
-
-
-def _until(what, check, timeout=WAIT):
-    """Poll ``check()`` every 0.2 s until it returns something true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
-def _final(cluster, job_id, workdir, name):
-    def ended():
-        fields = _scontrol_jobs(cluster.env).get(job_id)
-        if fields is None:
-            return {"JobState": "VANISHED"}
-        return fields if fields.get("JobState") in FINAL_STATES else None
-
-    return _until(f"job {job_id} to end\n{_output(workdir, name)}", ended)
 
 
 @pytest.mark.slurm
@@ -189,56 +145,13 @@ def _final(cluster, job_id, workdir, name):
 def test_signalled_job_saves_requeues_and_resumes_to_the_same_result(cluster, launcher, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"preempt-{launcher}")
     os.chmod(workdir, 0o755)
-    name = f"preempt-{launcher}"
-    job_id = _submit(cluster, workdir, launcher, name, workdir / "ckpt")
+    name, env = f"preempt-{launcher}", requeue.job_env(cluster.env, launcher)
+    sbatch_args = ["--nodes=1", f"--ntasks-per-node={TASKS}", "--cpus-per-task=1", *cluster.sbatch_args]
+    job_id = requeue.submit_training(env, workdir, name, workdir / name, EPOCHS, sbatch_args)
     try:
-        def third_epoch():
-            out = _output(workdir, name)
-            return "did not start" if MPICH_START_FAILURE.search(out) else re.search(rf"^epoch 3/{EPOCHS}:", out, re.M)
-
-        if _until("the job to train its third epoch", third_epoch) == "did not start":
-            xfail_if_mpich_failed_to_start(_output(workdir, name), launcher)
-        signalled = _run(["scancel", "--signal=USR1", "--batch", job_id], 30, env=cluster.env)
-        assert signalled.returncode == 0, signalled.stderr
-
-        def requeued():
-            fields = _scontrol_jobs(cluster.env).get(job_id, {})
-            assert fields.get("JobState") not in FINAL_STATES, f"{fields}\n{_output(workdir, name)}"
-            # released only once Slurm set its start time (Reason=BeginTime): the old run has ended
-            return (fields.get("JobState") == "PENDING" and int(fields.get("Restarts", "0")) >= 1
-                    and fields.get("Reason") not in (None, "None"))
-
-        _until("the job to requeue itself", requeued)
-        released = _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], 30, env=cluster.env)
-        assert released.returncode == 0, released.stderr
-        final = _final(cluster, job_id, workdir, name)
+        started = requeue.training_started(workdir, name, EPOCHS, failed=MPICH_START_FAILURE)
+        if MPICH_START_FAILURE.search(started):
+            xfail_if_mpich_failed_to_start(started, launcher)
+        requeue.requeue_resumes_to_the_uninterrupted_result(env, job_id, workdir, name, EPOCHS, sbatch_args)
     finally:
-        _run(["scancel", job_id], 30, env=cluster.env)  # a no-op once it ended
-    output = _output(workdir, name)
-    report = f"job {job_id} via {launcher}: {final.get('JobState')} {final.get('ExitCode')}\n{output[-6000:]}"
-    assert final.get("JobState") == "COMPLETED" and final.get("ExitCode") == "0:0", report
-    stop = re.search(rf"stop requested: every rank stopped in epoch (\d+)/{EPOCHS} after step (\d+)/\d+, saved", output)
-    assert stop, report
-    epoch, step = int(stop.group(1)), int(stop.group(2))
-    assert "requeueing job" in output, report
-    assert re.search(rf"resumed from \S+ after epoch {epoch - 1} and step {step} of epoch {epoch}$", output, re.M), report
-    assert re.search(rf"^epoch {EPOCHS}/{EPOCHS}:", output, re.M), report
-    resumed = re.search(r"final held-out accuracy: (\d+\.\d+)%", output)
-    assert resumed, report
-
-    # the same job, never stopped: the same final weights, bit for bit
-    reference = f"reference-{launcher}"
-    ref_id = _submit(cluster, workdir, launcher, reference, workdir / "ckpt-reference")
-    try:
-        ref_final = _final(cluster, ref_id, workdir, reference)
-    finally:
-        _run(["scancel", ref_id], 30, env=cluster.env)
-    ref_output = _output(workdir, reference)
-    assert ref_final.get("JobState") == "COMPLETED", ref_output[-6000:]
-    assert "stop requested" not in ref_output
-    assert re.search(r"final held-out accuracy: (\d+\.\d+)%", ref_output).group(1) == resumed.group(1)
-    got, expected = md.read_checkpoint(workdir / "ckpt"), md.read_checkpoint(workdir / "ckpt-reference")
-    assert sorted(got) == sorted(expected)
-    for key in expected:
-        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
-    assert int(got["epochs_done"]) == EPOCHS
+        requeue.run(["scancel", job_id], 30, env=env)  # a no-op once it ended
