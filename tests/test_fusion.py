@@ -100,13 +100,17 @@ def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
             arrays = [contribution(comm.rank, shape, dtype) for shape in SHAPES]
             want = [plain(comm, a, op) for a in arrays]
             got = fusion.allreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))])
+            out = [np.full_like(a, 7) for a in arrays]  # into the caller's arrays: large ones reduced in place there
+            into = fusion.allreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))], out=out)
+            assert all(i is o for i, o in zip(into, out))
             handle = fusion.iallreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))])
             for a in arrays:
                 a[...] = 0  # the nonblocking call copied its inputs when it started
             later = handle.wait()
-            for g, l, w in zip(got, later, want):
+            for g, l, o, w in zip(got, later, out, want):
                 assert g.shape == w.shape and g.dtype == w.dtype
                 np.testing.assert_array_equal(g, w)
+                np.testing.assert_array_equal(o, w)
                 np.testing.assert_array_equal(l, w)
             assert handle.test() and handle.wait() is later
 

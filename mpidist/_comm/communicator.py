@@ -252,7 +252,9 @@ class Communicator:
 
         Small arrays share MPI calls through a reusable bucket; one agreement
         record covers the whole list. ``out`` (one array per input, of its
-        shape and dtype) is the form that allocates nothing in steady state.
+        shape and dtype) is the form that allocates nothing in steady state:
+        arrays larger than ``options.fusion_bytes`` are reduced straight into
+        their ``out`` array.
         """
         return self._fusion.allreduce_many(arrays, ReduceOp.of(op), _names(names, len(arrays)), out)
 

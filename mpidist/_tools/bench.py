@@ -20,8 +20,9 @@ interleaved sample by sample so that they see the same machine load:
   25,557,032 values): one raw in-place call per array, the hand loop per
   array, one raw call on a flat buffer, mpidist's fused ``batch_update``
   (flat variables and gradients, also ``in_place``; ordinary arrays), one
-  ``assign_add`` per variable, ``strategy.reduce`` of the list (new arrays,
-  and ``out=``), ``ReplicaContext.all_reduce`` with ``out=``, gloo per array.
+  ``assign_add`` per variable, the SUM of the list (the raw calls' arithmetic) by
+  ``strategy.reduce`` (new arrays, and ``out=``) and ``ReplicaContext.all_reduce``
+  with ``out=``, gloo per array.
 - ``fusion``: the ResNet-50 fused update of ordinary arrays for several
   ``fusion_bytes``.
 - ``overlap``: a nonblocking 64 MiB reduction started before a computation
@@ -340,10 +341,10 @@ def bench_resnet(bench: _Bench, strategies: dict[str, MPIStrategy]) -> None:
             zip(flat_vars, flat_grads), in_place=True)),
         "mpidist_batch_update": _in_replica(check, lambda: check.batch_update(zip(plain_vars, plain_grads))),
         "mpidist_per_variable": _in_replica(check, per_variable),
-        "mpidist_reduce_list": _repeat(lambda: check.reduce("mean", plain_grads)),
-        "mpidist_reduce_list_out": _repeat(lambda: check.reduce("mean", plain_grads, out=reduced)),
+        "mpidist_reduce_list": _repeat(lambda: check.reduce("sum", plain_grads)),
+        "mpidist_reduce_list_out": _repeat(lambda: check.reduce("sum", plain_grads, out=reduced)),
         "mpidist_all_reduce_out": _in_replica(check, lambda: get_replica_context().all_reduce(
-            "mean", plain_grads, out=reduced)),
+            "sum", plain_grads, out=reduced)),
     }
     if bench.dist is not None:
         tensors = [torch.from_numpy(g) for g in raw_grads]
