@@ -95,23 +95,25 @@ def main() -> None:
         print("| case | prefetch | steps per transfer | local slicing (us/step) | distributed (us/step) "
               "| overhead (us/step) | vs local slicing | vs prefetch 0 |")
         print("|---|---|---|---|---|---|---|---|")
-    cases = [(shuffle, work, prefetch, 1) for shuffle in (True, False) for work in (False, True)
-             for prefetch in (0, 2, None)] + [(True, False, 0, 8), (True, False, 2, 8)]
+    groups = [(shuffle, work, (0, 2, None), 1) for shuffle in (True, False) for work in (False, True)]
+    groups.append((True, False, (0, 2), 8))
     default = default_depth(strategy.communicator.backend, strategy.communicator.local_size)
-    unprefetched: dict[tuple, float] = {}  # the prefetch=0 time of each case, which the others are compared with
-    for shuffle, work, prefetch, per_transfer in cases:
-        base, dist = [], []
-        for _ in range(args.repeats):  # interleaved, so drifts hit both alike
+    for shuffle, work, prefetches, per_transfer in groups:
+        base: list[float] = []
+        dist: dict = {prefetch: [] for prefetch in prefetches}
+        for _ in range(args.repeats):  # the baseline and every prefetch depth interleaved, so drifts hit all alike
             base.append(slowest(baseline, shuffle, work))
-            dist.append(slowest(distributed, shuffle, work, prefetch, per_transfer))
-        b, d = statistics.median(base), statistics.median(dist)
-        if prefetch == 0:
-            unprefetched[shuffle, work, per_transfer] = d
-        if rank == 0:
-            case = ("shuffled" if shuffle else "in order (views)") + (" +step" if work else "")
-            shown = f"default ({default})" if prefetch is None else prefetch
-            print(f"| {case} | {shown} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
-                  f"| {d / b:.2f} | {d / unprefetched[shuffle, work, per_transfer]:.2f} |", flush=True)
+            for prefetch in prefetches:
+                dist[prefetch].append(slowest(distributed, shuffle, work, prefetch, per_transfer))
+        b = statistics.median(base)
+        unprefetched = statistics.median(dist[0])
+        for prefetch in prefetches:
+            d = statistics.median(dist[prefetch])
+            if rank == 0:
+                case = ("shuffled" if shuffle else "in order (views)") + (" +step" if work else "")
+                shown = f"default ({default})" if prefetch is None else prefetch
+                print(f"| {case} | {shown} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
+                      f"| {d / b:.2f} | {d / unprefetched:.2f} |", flush=True)
     strategy.free()
 
 
