@@ -442,3 +442,17 @@ def test_default_prefetch_follows_the_cores_the_rank_has(monkeypatch):
         is_gpu = True
 
     assert default_depth(Gpu(), 8) == 2  # copies overlap the step on a side stream
+
+
+def test_shuffled_batches_reuse_memory_only_once_the_caller_dropped_them():
+    data = np.arange(400.0).reshape(200, 2)
+    kept = list(ArrayDataset(data, 4, shuffle=True, seed=3))  # every batch held: none may be written into again
+    assert len({b.__array_interface__["data"][0] for b in kept}) == len(kept) == 50
+    np.testing.assert_array_equal(np.sort(np.concatenate(kept)[:, 0]), data[:, 0])
+    buffers, seen = set(), []
+    for batch in ArrayDataset(data, 4, shuffle=True, seed=3):  # each dropped before the next: memory reused
+        buffers.add(batch.__array_interface__["data"][0])
+        seen.append(batch.copy())
+        del batch
+    assert len(buffers) <= 3
+    np.testing.assert_array_equal(np.concatenate(seen), np.concatenate(kept))  # the same batches, in order

@@ -138,3 +138,27 @@ def test_pack_sequence_as_count_mismatch():
 def test_pack_sequence_as_fills_in_flatten_order():
     structure = {"b": [0, 0], "a": Point(0, 0)}
     assert pack_sequence_as(structure, [1, 2, 3, 4]) == {"b": [3, 4], "a": Point(1, 2)}
+
+
+@pytest.mark.parametrize("rebuild", ["pack_sequence_as", "map_structure", "map_structure_with_path"])
+def test_rebuilding_leaves_no_reference_cycle(rebuild):
+    """A batch packed by the input pipeline is freed as soon as the caller drops it, not at the next GC."""
+    import gc
+    import weakref
+
+    leaf = np.zeros(3)
+    alive = weakref.ref(leaf)
+    structure = ({"a": 0}, [0])
+    gc.disable()
+    try:
+        if rebuild == "pack_sequence_as":
+            result = pack_sequence_as(structure, [leaf, leaf])
+        elif rebuild == "map_structure":
+            result = map_structure(lambda x: leaf, structure)
+        else:
+            result = map_structure_with_path(lambda path, x: leaf, structure)
+        assert result[0]["a"] is leaf and result[1][0] is leaf
+        del result, leaf
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -197,7 +197,10 @@ def pack_sequence_as(structure: Any, flat: Sequence[Any]) -> Any:
             return next(it)
         return _rebuild(node, [build(child) for _, child in _children(node)])
 
-    return build(structure)
+    try:
+        return build(structure)
+    finally:
+        del build  # a recursive closure is a reference cycle: break it, so that the leaves are freed at once
 
 
 def map_structure_with_path(fn: Callable[..., Any], *nests: Any) -> Any:
@@ -223,7 +226,10 @@ def map_structure_with_path(fn: Callable[..., Any], *nests: Any) -> Any:
             results = [walk(path + pieces[i], tuple(n[i] for n in nodes)) for i in range(len(head))]
         return _rebuild(head, results)
 
-    return walk("", nests)
+    try:
+        return walk("", nests)
+    finally:
+        del walk  # break the closure's reference cycle (see pack_sequence_as)
 
 
 def map_structure(fn: Callable[..., Any], *nests: Any) -> Any:
@@ -250,4 +256,7 @@ def map_structure(fn: Callable[..., Any], *nests: Any) -> Any:
             return type(head)._make([walk(tuple(n[i] for n in nodes)) for i in range(len(head))])
         return fn(*nodes)
 
-    return walk(nests)
+    try:
+        return walk(nests)
+    finally:
+        del walk  # break the closure's reference cycle (see pack_sequence_as)

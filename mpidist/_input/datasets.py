@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import sys
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
@@ -148,14 +149,15 @@ class ArrayDataset:
         order = epoch_order(n, epoch, seed) if self.shuffle else None
         width = (batch // size if auto_shard else batch) if self.remainder == "mask" else None
         plan = batch_plan(n, batch, rank, size, offset=offset, remainder=self.remainder, auto_shard=auto_shard)
+        reuse = _Reuse(len(self._leaves))
         while True:
             block = [step for step in itertools.islice(plan, steps)] if steps > 1 else [next(plan, None)]
             if not block or block[0] is None:
                 return
-            yield self._gather(order, block, width)
+            yield self._gather(order, block, width, reuse)
 
     def _gather(self, order: Optional[np.ndarray], block: list[tuple[int, int, int]],
-                width: Optional[int]) -> "Chunk":
+                width: Optional[int], reuse: "_Reuse") -> "Chunk":
         """One array per leaf holding the rows of every step of ``block`` (``(lo, hi, advance)`` each)."""
         if width is None and len(block) == 1:  # the common case, kept short
             lo, hi, advance = block[0]
@@ -163,7 +165,7 @@ class ArrayDataset:
                 leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
             else:
                 index = order[lo:hi]
-                leaves = [_take(leaf, index) for leaf in self._leaves]
+                leaves = [reuse.take(i, leaf, index) for i, leaf in enumerate(self._leaves)]
             return Chunk([advance], pack=self._pack, leaves=leaves, bounds=[(0, hi - lo)])
         advances = [advance for _, _, advance in block]
         if width is None and (len(block) == 1 or all(a[1] == b[0] for a, b in zip(block, block[1:]))):
@@ -171,7 +173,7 @@ class ArrayDataset:
             if order is None:
                 leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
             else:
-                leaves = [_take(leaf, order[lo:hi]) for leaf in self._leaves]
+                leaves = [reuse.take(i, leaf, order[lo:hi]) for i, leaf in enumerate(self._leaves)]
             edges = list(itertools.accumulate([0] + [b - a for a, b, _ in block]))
             return Chunk(advances, pack=self._pack, leaves=leaves, bounds=list(zip(edges, edges[1:])))
         pieces, masks, bounds, start = [], [], [], 0
@@ -204,6 +206,54 @@ def _read_only(view: Any) -> Any:
     if type(view) is np.ndarray:
         view.flags.writeable = False
     return view
+
+
+class _Reuse:
+    """The arrays of the last few gathers, gathered into again once nothing else refers to them. Local.
+
+    A loop drops each batch before it asks for the next one or two, so in
+    steady state a shuffled gather writes into memory it used a few steps
+    before instead of allocating a new array (which glibc, depending on the
+    heap's layout, may hand back to the system and fault in again each step:
+    about 100 us for a 200 KB batch). An array that anything else still
+    refers to (the batch the caller keeps, a view of it, the chunk being
+    consumed, a prefetch queue) is never written into.
+    """
+
+    __slots__ = ("_held",)
+    KEEP = 3  # arrays kept per leaf: the batch in use, the chunk being consumed, one free
+
+    def __init__(self, leaves: int) -> None:
+        self._held: list[list[np.ndarray]] = [[] for _ in range(leaves)]
+
+    @staticmethod
+    def _count(ring: list[np.ndarray], j: int) -> int:
+        return sys.getrefcount(ring[j])
+
+    def take(self, i: int, leaf: Any, index: np.ndarray) -> Any:
+        """Rows ``index`` of leaf ``i``: into one of its kept arrays that no one else holds, else a new one."""
+        if type(leaf) is not np.ndarray:
+            return _take(leaf, index)
+        ring = self._held[i]
+        for j in range(len(ring)):
+            if self._count(ring, j) == _ALONE and ring[j].shape[0] == index.size:
+                free = ring.pop(j)
+                ring.append(free)
+                return np.take(leaf, index, axis=0, out=free, mode="clip")  # our indices are in range
+        taken = _take(leaf, index)
+        ring.append(taken)
+        if len(ring) > self.KEEP:
+            del ring[0]
+        return taken
+
+
+def _alone() -> int:
+    """What :meth:`_Reuse._count` reads for an array that only its ring refers to (differs between Pythons)."""
+    ring = [np.empty(1)]
+    return _Reuse._count(ring, 0)
+
+
+_ALONE = _alone()
 
 
 def _take(leaf: Any, index: np.ndarray) -> Any:
