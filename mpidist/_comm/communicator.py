@@ -30,7 +30,7 @@ from mpidist._comm.handle import Handle
 from mpidist._comm.hierarchy import node_split
 from mpidist._comm.library import library_version
 from mpidist._comm import overflow
-from mpidist._comm.reduce_op import ReduceOp
+from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.transport import Transport
 from mpidist._errors import CollectiveMismatchError, CommError
 from mpidist._options import Options
@@ -320,7 +320,7 @@ class Communicator:
                 self._transport.call("allreduce", self._comm.Allreduce,
                                      MPI.IN_PLACE if target is array else array, target, self._transport.mpi_op(op, array.dtype))
                 if op is ReduceOp.MEAN:
-                    target[...] /= self.size
+                    divide_in_place(target, self.size)
                 return target
             result = self._reduce_data(array, target, op, name, blocking)
             return result if blocking else Handle(self._transport, None, result, keep=(array, out))
@@ -386,7 +386,7 @@ class Communicator:
         def finish() -> Any:
             self.backend.from_mpi(target, recv)
             if op is ReduceOp.MEAN and (staged or not blocking):
-                target[...] /= self.size
+                divide_in_place(target, self.size)
             return target
 
         if not blocking:
@@ -395,7 +395,7 @@ class Communicator:
         for (sbuf, rbuf), (lo, hi) in zip(pieces, ranges):
             self._transport.reduce(what, sbuf, rbuf, mpi_op)
             if op is ReduceOp.MEAN and not staged:
-                flat_target[lo:hi] /= self.size  # while the piece is in cache
+                divide_in_place(flat_target[lo:hi], self.size)  # while the piece is in cache
         return finish()
 
     def _checked(self, op: Optional[ReduceOp], array: Any) -> bool:
@@ -500,7 +500,7 @@ class Communicator:
                                 [c * row for c in counts], self._transport.mpi_op(op, array.dtype))
             self.backend.from_mpi(result, recv)
             if op is ReduceOp.MEAN:
-                result /= self.size
+                divide_in_place(result, self.size)
             return result
 
         return self._agreed(call, error, then, blocking=True)

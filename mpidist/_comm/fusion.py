@@ -34,7 +34,7 @@ from mpidist._comm.backend import Backend, array_module, is_device_array
 from mpidist._comm.flat import joinable, span
 from mpidist._comm.handle import Handle
 from mpidist._comm import overflow
-from mpidist._comm.reduce_op import ReduceOp
+from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.transport import Transport
 
 __all__ = ["Fusion", "UpdateFn"]
@@ -247,7 +247,7 @@ class Fusion:
                     complete()
                     self._backend.from_mpi(out, host)
                     if op is ReduceOp.MEAN:
-                        out /= t.size
+                        divide_in_place(out, t.size)
 
                 steps.append(step)
 
@@ -344,7 +344,7 @@ class Fusion:
             t.reduce(what, send, host, mpi_op)
             backend.from_mpi(buf, host)
         if op is ReduceOp.MEAN:
-            buf /= t.size
+            divide_in_place(buf, t.size)
         return buf
 
     @staticmethod

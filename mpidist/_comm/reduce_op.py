@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import enum
-from typing import Union
+from typing import Any, Union
 
-__all__ = ["ReduceOp"]
+__all__ = ["ReduceOp", "divide_in_place"]
 
 
 class ReduceOp(enum.Enum):
@@ -34,3 +34,16 @@ class ReduceOp(enum.Enum):
                 pass
         names = ", ".join(m.name for m in cls)
         raise ValueError(f"unknown reduce op {op!r}; expected a ReduceOp ({names}) or its name")
+
+
+def divide_in_place(array: Any, ranks: int) -> None:
+    """Local: ``array /= ranks`` (the last step of ``MEAN``), as a multiplication when that is exact.
+
+    For a power of two, ``x * (1 / ranks)`` is the same number as ``x / ranks``
+    (both exact up to rounding of the same real), and a multiplication
+    costs about half a division on large arrays; other counts divide.
+    """
+    if ranks & (ranks - 1) == 0:
+        array *= 1.0 / ranks
+    else:
+        array /= ranks
