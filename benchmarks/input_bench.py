@@ -97,7 +97,6 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
     groups = [(shuffle, work, (0, 2, None), 1) for shuffle in (True, False) for work in (False, True)]
     groups.append((True, False, (0, 2), 8))
-    default = default_depth(strategy.communicator.backend, strategy.communicator.local_size)
     for shuffle, work, prefetches, per_transfer in groups:
         base: list[float] = []
         dist: dict = {prefetch: [] for prefetch in prefetches}
@@ -111,6 +110,8 @@ def main() -> None:
             d = statistics.median(dist[prefetch])
             if rank == 0:
                 case = ("shuffled" if shuffle else "in order (views)") + (" +step" if work else "")
+                default = default_depth(strategy.communicator.backend, strategy.communicator.local_size,
+                                        views=not shuffle)
                 shown = f"default ({default})" if prefetch is None else prefetch
                 print(f"| {case} | {shown} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
                       f"| {d / b:.2f} | {d / unprefetched:.2f} |", flush=True)

@@ -437,11 +437,13 @@ def test_default_prefetch_follows_the_cores_the_rank_has(monkeypatch):
     cpu = Backend(np)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     assert [default_depth(cpu, ranks) for ranks in (1, 2, 3, 4, 8)] == [2, 2, 0, 0, 0]
+    assert default_depth(cpu, 1, views=True) == 0  # batches that are views of the arrays: nothing to prepare
 
     class Gpu:
         is_gpu = True
 
     assert default_depth(Gpu(), 8) == 2  # copies overlap the step on a side stream
+    assert default_depth(Gpu(), 8, views=True) == 2  # views still need their copies to the device
 
 
 def test_shuffled_batches_reuse_memory_only_once_the_caller_dropped_them():

@@ -123,6 +123,7 @@ class _ArraySource:
     def __init__(self, dataset: ArrayDataset, rank: int, size: int, auto_shard: bool) -> None:
         self._dataset, self._rank, self._size, self._auto_shard = dataset, rank, size, auto_shard
         self.seed = dataset.seed
+        self.views = not dataset.shuffle  # in order, a batch is a view of the user's arrays: nothing to prepare
 
     def length(self, epoch: int, offset: int) -> Optional[int]:
         return num_steps(self._dataset.num_samples, self._dataset.global_batch_size, offset, self._dataset.remainder)
@@ -326,8 +327,8 @@ class DistributedDataset:
         self.shard_policy = shard_policy
         self._warn_drops = source.warn_drops and not drop_remainder
         communicator = strategy.communicator
-        self.prefetch = (default_depth(communicator.backend, communicator.local_size) if prefetch is None
-                         else check_count("prefetch", prefetch))
+        self.prefetch = (default_depth(communicator.backend, communicator.local_size, getattr(source, "views", False))
+                         if prefetch is None else check_count("prefetch", prefetch))
         self.steps_per_transfer = check_count("steps_per_transfer", steps_per_transfer, 1)
         self._epoch = check_count("epoch", epoch)
 

@@ -111,17 +111,22 @@ def _produce(chunks: Iterator[Chunk], prepare: Optional[Callable[[Any], Any]], i
         items.put(_Failure(error))
 
 
-def default_depth(backend: Backend, ranks_on_node: int) -> int:
+def default_depth(backend: Backend, ranks_on_node: int, views: bool = False) -> int:
     """Local: how many chunks to prepare ahead when the user does not say.
 
     2 when batches go to a GPU (their copies overlap the step on a side
     stream) or when the rank has a core of its own to spare (the cores of its
     affinity mask divided among the ranks of its node: with ``--bind-to none``
     every rank sees every core); else 0, since a thread that competes with the
-    step for its only core (and for the GIL) slows training down.
+    step for its only core (and for the GIL) slows training down. Also 0 on
+    the host when the batches are ``views`` of the user's arrays: there is
+    nothing to prepare, and the hand-off between threads would only add to
+    each step.
     """
     if backend.is_gpu:
         return 2
+    if views:
+        return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 2 if cores // max(1, ranks_on_node) >= 2 else 0
 
