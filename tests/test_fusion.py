@@ -103,6 +103,8 @@ def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
             out = [np.full_like(a, 7) for a in arrays]  # into the caller's arrays: large ones reduced in place there
             into = fusion.allreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))], out=out)
             assert all(i is o for i, o in zip(into, out))
+            own = [contribution(comm.rank, shape, dtype) for shape in SHAPES]  # out= the inputs: in place
+            assert all(r is a for r, a in zip(fusion.allreduce_many(own, ReduceOp.of(op), list("abcdef"), out=own), own))
             handle = fusion.iallreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))])
             for a in arrays:
                 a[...] = 0  # the nonblocking call copied its inputs when it started
@@ -112,6 +114,8 @@ def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
                 np.testing.assert_array_equal(g, w)
                 np.testing.assert_array_equal(o, w)
                 np.testing.assert_array_equal(l, w)
+            for a, w in zip(own, want):
+                np.testing.assert_array_equal(a, w)
             assert handle.test() and handle.wait() is later
 
 

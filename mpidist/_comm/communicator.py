@@ -254,7 +254,7 @@ class Communicator:
         record covers the whole list. ``out`` (one array per input, of its
         shape and dtype) is the form that allocates nothing in steady state:
         arrays larger than ``options.fusion_bytes`` are reduced straight into
-        their ``out`` array.
+        their ``out`` array; ``out=arrays`` reduces the inputs in place.
         """
         return self._fusion.allreduce_many(arrays, ReduceOp.of(op), _names(names, len(arrays)), out)
 

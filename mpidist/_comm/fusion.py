@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from mpidist._comm.agreement import Agreement, Call, Kind, validate
-from mpidist._comm.backend import Backend, array_module, is_device_array
+from mpidist._comm.backend import Backend, array_module, data_pointer, is_device_array
 from mpidist._comm.flat import joinable, span
 from mpidist._comm.handle import Handle
 from mpidist._comm import overflow
@@ -161,8 +161,9 @@ class Fusion:
         bucket = self._bucket(send)
         step = bucket.size
         if fn is _into and op is not None and not in_place:
+            alias = data_pointer(send) == data_pointer(target)  # out= is the input itself: reduce it in place
             for lo in range(0, send.size, step):
-                self._transfer(what, send[lo:lo + step], target[lo:lo + step], op)
+                self._transfer(what, None if alias else send[lo:lo + step], target[lo:lo + step], op)
             return
         if send.size <= step:  # one piece: the common case of small arrays, kept short
             fn(target, self._transfer(what, None, send, op) if in_place else

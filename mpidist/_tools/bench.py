@@ -21,8 +21,8 @@ interleaved sample by sample so that they see the same machine load:
   array, one raw call on a flat buffer, mpidist's fused ``batch_update``
   (flat variables and gradients, also ``in_place``; ordinary arrays), one
   ``assign_add`` per variable, the SUM of the list (the raw calls' arithmetic) by
-  ``strategy.reduce`` (new arrays, and ``out=``) and ``ReplicaContext.all_reduce``
-  with ``out=``, gloo per array.
+  ``strategy.reduce`` (new arrays, ``out=``, and in place: ``out=`` the inputs)
+  and ``ReplicaContext.all_reduce`` with ``out=``, gloo per array.
 - ``fusion``: the ResNet-50 fused update of ordinary arrays for several
   ``fusion_bytes``.
 - ``overlap``: a nonblocking 64 MiB reduction started before a computation
@@ -345,6 +345,7 @@ def bench_resnet(bench: _Bench, strategies: dict[str, MPIStrategy]) -> None:
         "mpidist_reduce_list_out": _repeat(lambda: check.reduce("sum", plain_grads, out=reduced)),
         "mpidist_all_reduce_out": _in_replica(check, lambda: get_replica_context().all_reduce(
             "sum", plain_grads, out=reduced)),
+        "mpidist_reduce_list_in_place": _repeat(lambda: check.reduce("sum", raw_grads, out=raw_grads)),
     }
     if bench.dist is not None:
         tensors = [torch.from_numpy(g) for g in raw_grads]
