@@ -78,11 +78,15 @@ class Fusion:
             self._agree(sends, ops, names, error,
                         lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried))
             return
-        if len(sends) == 1 and error is None and self._agreement.enabled:
+        if len(sends) == 1 and error is None:
             send, op = sends[0], ops[0]
             if validate(send, op, names[0], self._transport.rank) is None:  # the per-update path, kept short
-                carried = self._agreement.agree_array(Kind.BROADCAST if op is None else Kind.ALLREDUCE, names[0], op,
-                                                      send, self._options.check_finite and op is not None)
+                if self._agreement.enabled:
+                    carried = self._agreement.agree_array(Kind.BROADCAST if op is None else Kind.ALLREDUCE, names[0],
+                                                          op, send, self._options.check_finite and op is not None)
+                else:  # every check off: straight to the data
+                    self._transport.begin()
+                    carried = None
                 if carried is None:
                     self._stream(_what(sends, ops, names), send.reshape(-1), targets[0].reshape(-1), op, fn, in_place)
                     return
