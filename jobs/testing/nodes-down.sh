@@ -10,18 +10,14 @@ set -uo pipefail
 
 log() { echo "nodes-down: $*" >&2; }
 
-state="${1:?usage: nodes-down.sh STATE_DIR}"
-[ -d "$state" ] || { log "no such folder: $state (nothing to remove)"; exit 0; }
-state="$(cd "$state" && pwd)"
-[ -f "$state/nodes.env" ] || { log "$state has no nodes.env: not a nodes-up.sh folder"; exit 1; }
+# shellcheck source=cluster.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/cluster.sh"
+open_state nodes-down.sh nodes.env "${1:-}"
 NAMESPACES="" PIDS="" BRIDGE=""
 # shellcheck disable=SC1091
 source "$state/nodes.env"
 
-if [ -s "$state/watchdog.pid" ]; then
-  pid="$(cat "$state/watchdog.pid")"
-  [ "$pid" != "$$" ] && [ "$pid" != "$PPID" ] && kill -TERM "$pid" 2>/dev/null
-fi
+stop_watchdog "$state"
 
 # Every process in a node's network namespace (MPI daemons, ranks, the holders): TERM, then KILL.
 node_pids() {

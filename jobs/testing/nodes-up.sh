@@ -194,8 +194,8 @@ done
 trap - ERR
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=watchdog.sh
-source "$here/watchdog.sh"
+# shellcheck source=cluster.sh
+source "$here/cluster.sh"
 start_watchdog "${MPIDIST_NODES_OWNER_PID:-}" "$state" nodes.env "$here/nodes-down.sh"
 log "$count nodes up (${names[*]} on $subnet, bridge $bridge $bridge_addr), state in $state"
 echo "export MPIDIST_NODES_DIR=$state"

@@ -10,10 +10,9 @@ set -uo pipefail
 
 log() { echo "slurm-down: $*" >&2; }
 
-state="${1:?usage: slurm-down.sh STATE_DIR}"
-[ -d "$state" ] || { log "no such folder: $state (nothing to stop)"; exit 0; }
-state="$(cd "$state" && pwd)"
-[ -f "$state/slurm.conf" ] || { log "$state has no slurm.conf: not a slurm-up.sh folder"; exit 1; }
+# shellcheck source=cluster.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/cluster.sh"
+open_state slurm-down.sh slurm.conf "${1:-}"
 export SLURM_CONF="$state/slurm.conf"
 
 if timeout 5 scontrol ping 2>/dev/null | grep -q "is UP"; then
@@ -28,11 +27,7 @@ if timeout 5 scontrol ping 2>/dev/null | grep -q "is UP"; then
   fi
 fi
 
-# The watchdog of slurm-up.sh (unless it is what runs this script).
-if [ -s "$state/watchdog.pid" ]; then
-  pid="$(cat "$state/watchdog.pid")"
-  [ "$pid" != "$$" ] && kill -TERM "$pid" 2>/dev/null
-fi
+stop_watchdog "$state"
 
 # Read every PID first: the daemons delete their PID files while they exit.
 pids=()

@@ -182,8 +182,8 @@ done
 [ -n "$ok" ] || { log "the node did not become idle within 30 s"; false; }
 trap - ERR
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# shellcheck source=watchdog.sh
-source "$here/watchdog.sh"
+# shellcheck source=cluster.sh
+source "$here/cluster.sh"
 start_watchdog "${MPIDIST_SLURM_OWNER_PID:-}" "$state" slurm.conf "$here/slurm-down.sh"
 log "cluster up: nodes ${node_list}, ${cpus} CPUs and ${gpus} GPUs each, state in ${state}"
 echo "export SLURM_CONF=${state}/slurm.conf"
