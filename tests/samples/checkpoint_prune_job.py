@@ -33,7 +33,7 @@ def main(directory: str, kill_at: str) -> int:
         with strategy.scope():
             weights.assign(np.full(64, k, np.float32))
         position.position = k
-        checkpoint.save(directory, keep=keep, chunk_bytes=64)
+        checkpoint.save(directory, keep=keep, block_bytes=64)
 
     for k in (1, 2, 3):
         save(k, keep=3)

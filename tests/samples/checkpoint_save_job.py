@@ -47,7 +47,7 @@ def main(directory: str, mode: str) -> int:
             weights.assign(np.full(ELEMENTS, k, np.float32))
             counter.assign(np.array(10 * k))
         position.position = k
-        checkpoint.save(directory, keep=2, chunk_bytes=1 << 20)
+        checkpoint.save(directory, keep=2, block_bytes=1 << 20)
 
     save(1)
     if mode == "kill-during-write":
