@@ -369,7 +369,7 @@ class Communicator:
         Integer sums are checked with ``options.check_overflow`` (unless ``check`` is false).
         """
         if check and self._checked(op, array):  # reduce the 64-bit form, then write only sums that fit
-            target[...] = self.checked_sum(array, name).reshape(target.shape)
+            target[...] = self._checked_sum(array, name).reshape(target.shape)
             return target if blocking else ([], lambda: target)
         if target is not array and self.backend.needs_staging(array, self.cuda_aware):
             target[...] = array  # reduce a device copy in place: staging then needs one buffer
@@ -401,7 +401,7 @@ class Communicator:
     def _checked(self, op: Optional[ReduceOp], array: Any) -> bool:
         return self.options.check_overflow and overflow.applies(op, array.dtype)
 
-    def checked_sum(self, array: Any, name: str) -> Any:
+    def _checked_sum(self, array: Any, name: str) -> Any:
         """Collective, once agreed: the exact SUM of every rank's integer ``array``, flat, as a new array.
 
         Raises :class:`~mpidist.IntegerOverflowError` on every rank when a sum
@@ -491,7 +491,7 @@ class Communicator:
             row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
             if self._checked(op, array):  # the whole exact sum, then this rank's block of it
                 start = sum(counts[:self.rank]) * row
-                block = self.checked_sum(array, name)[start:start + counts[self.rank] * row]
+                block = self._checked_sum(array, name)[start:start + counts[self.rank] * row]
                 return block.reshape((counts[self.rank],) + tuple(array.shape[1:]))
             result = array_module(array).empty((counts[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware)
