@@ -102,3 +102,32 @@ def test_gpu_request_without_a_gpu_says_what_to_install():
     with pytest.raises(RuntimeError, match=r"mpidist\[cuda12\]' or 'mpidist\[cuda13\]"):
         Backend.select("gpu")
     assert Backend.select("auto").xp is np
+
+
+@pytest.mark.parametrize("size,chosen,mpi_started,expected", [
+    ("2", None, False, "1"),     # fewer than 4 ranks: the ring
+    ("3", None, False, "1"),
+    ("4", None, False, None),    # 4 ranks and more: Open MPI's own choice
+    ("", None, False, None),     # not launched by Open MPI
+    ("2", "3", False, "3"),      # the user's choice stays
+    ("2", None, True, None),     # MPI already started: too late to matter, nothing set
+])
+def test_open_mpi_nonblocking_allreduce_algorithm_is_chosen_before_mpi_starts(monkeypatch, size, chosen,
+                                                                              mpi_started, expected):
+    import os
+    import sys
+
+    from mpidist._comm import tuning
+
+    var = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", size)
+    if chosen is None:
+        monkeypatch.delenv(var, raising=False)
+    else:
+        monkeypatch.setenv(var, chosen)
+    if not mpi_started:
+        monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    else:
+        monkeypatch.setitem(sys.modules, "mpi4py.MPI", sys.modules.get("mpi4py.MPI", object()))
+    tuning.tune_before_init()
+    assert os.environ.get(var) == expected
