@@ -92,6 +92,26 @@ def test_reduce_apply_mixed_ops_and_dtypes(fusion):
             np.testing.assert_array_equal(target, want.astype(dt))
 
 
+@pytest.mark.parametrize("dtype", ["float64", "int32", "float32"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_packed_buckets_and_pieces_in_turn(fusion, dtype, in_place):
+    """Several full buckets of packed arrays, then pieces of a large one, then a bucket again."""
+    comm = fusion
+    shapes = [(30,)] * 10 + [(700,)] + [(29,)] * 3  # 3 packed buckets (float64), pieces, one more bucket
+    for op in ["sum", "mean", "max", None]:
+        if not applicable(op, dtype):
+            continue
+        sends = [contribution(comm.rank, shape, dtype) + i for i, shape in enumerate(shapes)]
+        before = [s.copy() for s in sends]
+        targets = [np.ones(shape, dtype) for shape in shapes]
+        fusion.reduce_apply(sends, targets, [None if op is None else ReduceOp.of(op)] * len(sends),
+                            lambda t, r: t.__iadd__(r), [f"p{i}" for i in range(len(sends))], in_place)
+        for i, (send, target) in enumerate(zip(sends, targets)):
+            want = plain(comm, before[i], op)
+            np.testing.assert_array_equal(target, 1 + want, err_msg=f"{op} array {i}")
+            np.testing.assert_array_equal(send, want if in_place else before[i], err_msg=f"{op} send {i}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
     comm = fusion
