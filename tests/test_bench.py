@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from mpidist._tools.bench_report import write_reports
+from mpidist._tools.bench_report import median, placements, write_reports
 from mpirun import run_mpi
 
 TIMEOUT = 120
@@ -66,6 +66,39 @@ def test_the_goals_script_judges_each_measured_goal():
     assert not any(goal.startswith("8 B mirrored MEAN update") for goal in rows)  # below 1 MiB: no size goal
 
 
+def _rounds(samples, probes):
+    return {"median_s": sorted(samples)[len(samples) // 2], "samples_s": samples, "iterations": 1}
+
+
+def test_rounds_are_labelled_by_the_probes_around_them(tmp_path):
+    # 7 rounds; probes of 100 us when the ranks share a cache, 400 us when they do not
+    probes = [1e-4, 1e-4, 4e-4, 4e-4, 1.8e-4, 1e-4, 1e-4, 1e-4]
+    hand = [1.0, 9.0, 9.0, 9.0, 1.0, 1.0, 1.0]
+    fused = [0.5, 9.5, 9.9, 9.9, 0.6, 0.5, 0.7]
+    results = {"update": {str(16 << 20): {"hand_loop": _rounds(hand, probes), "mpidist": _rounds(fused, probes),
+                                          "mpidist_batch_update": _rounds(fused, probes), "probes_s": probes,
+                                          "peak_extra_bytes": 0, "pipeline_bytes": 2 << 20}},
+               "memory": {"8": {"copy": _timed(1.0), "add": _timed(1.0), "copy_GBps": 1.0, "add_GBps": 1.0}}}
+    placements(results)
+    entry = results["update"][str(16 << 20)]
+    assert entry["rounds"] == ["shared", "mixed", "split", "mixed", "shared", "shared", "shared"]
+    assert median(entry, "hand_loop", shared=True) == 1.0 and median(entry, "mpidist", shared=True) == 0.55
+    assert median(entry, "mpidist") == 0.7  # all rounds
+    goals = _goals()
+    goal = "16 MiB mirrored MEAN update, `assign_add`, <= 0.7x the hand loop"
+    assert dict((g, (r, m)) for g, r, m in goals.verdicts(results))[goal] == ("0.70x", True)
+    assert dict((g, (r, m)) for g, r, m in goals.verdicts(results, shared=True))[goal] == ("0.55x", True)
+    entry["probes_s"] = [1e-4, 1e-4, 1e-4, 4e-4, 4e-4, 4e-4, 4e-4, 4e-4]  # two shared rounds: too few
+    placements(results)
+    assert median(entry, "mpidist", shared=True) is None
+    assert dict((g, (r, m)) for g, r, m in goals.verdicts(results, shared=True))[goal] == ("-", None)
+    write_reports(META, results, str(tmp_path))
+    text = (tmp_path / "results.md").read_text()
+    assert "## Placement of the ranks" in text and "fastest 100.0 us, slowest 400.0 us" in text
+    assert "sharing a cache (both probes within 2.0x the fastest): 2; not sharing one (both at least 2.5x): 4; " \
+           "changing: 1" in text and f"Fewer than 3 shared rounds: update {16 << 20}." in text
+
+
 def test_bench_under_mpiexec_and_the_goals_of_its_results(tmp_path, capsys):
     out = tmp_path / "results"
     result = run_mpi(2, [sys.executable, "-m", "mpidist", "bench", "--out", str(out), "--cases", "sweep,update",
@@ -73,6 +106,10 @@ def test_bench_under_mpiexec_and_the_goals_of_its_results(tmp_path, capsys):
     assert result.returncode == 0, result.describe()
     run = json.loads((out / "results.json").read_text())
     assert run["meta"]["ranks"] == 2 and set(run["results"]) == {"sweep", "update"}
+    for entry in (e for case in run["results"].values() for e in case.values()):  # a probe around each round
+        assert len(entry["probes_s"]) == 2 and all(p > 0 for p in entry["probes_s"]) and len(entry["rounds"]) == 1
     assert "## Allreduce sweep" in (out / "results.md").read_text()
     assert _goals().main([str(out / "results.json")]) == 0
-    assert "| 8 B mirrored update, default safety settings, <= 3x the hand loop |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| goal | all rounds | met | rounds with the ranks sharing a cache | met |" in printed
+    assert "| 8 B mirrored update, default safety settings, <= 3x the hand loop |" in printed

@@ -34,7 +34,13 @@ interleaved sample by sample so that they see the same machine load:
   ``assign_add``), default settings: where its microseconds go.
 
 Every number is the median over ``--repeats`` samples of the slowest rank's
-time; a sample times enough iterations to last about 20 ms. Writes
+time; a sample times enough iterations to last about 20 ms. Before the first
+round of samples of each measurement and after every round, a probe (five raw
+1 MiB allreduces) tells where the ranks ran: on a virtual machine the
+hypervisor moves the cores, and when the ranks stop sharing a cache the probe
+takes several times as long (see :func:`~mpidist._tools.bench_report.placements`;
+the report counts the rounds of each kind, and ``benchmarks/goals.py`` judges
+the goals on all rounds and on those where the ranks shared a cache). Writes
 ``results.json``, ``results.md`` and ``busbw.png`` (when matplotlib is
 installed) to ``--out``: times and ratios, no verdicts. gloo is skipped when
 torch is missing.
@@ -59,7 +65,7 @@ from mpidist._comm.reduce_op import ReduceOp
 from mpidist._distribute.context import get_replica_context
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.variables import Variable, VariableAggregation
-from mpidist._tools.bench_report import write_reports
+from mpidist._tools.bench_report import placements, write_reports
 from mpidist._units import human_time
 
 __all__ = ["DESCRIPTION", "add_arguments", "resnet50_shapes", "run"]
@@ -68,6 +74,7 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 
 _MIB = 1 << 20
 _SAMPLE_SECONDS = 0.02
+_PROBE_CALLS = 5
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:
@@ -94,9 +101,24 @@ class _Bench:
         self.repeats = repeats
         self.dist = torch_dist
         self.results: dict[str, Any] = {}
+        self._probe_send = np.ones(_MIB // 4, np.float32)
+        self._probe_recv = np.empty_like(self._probe_send)
+
+    def probe(self) -> float:
+        """Collective: the slowest rank's median of a few raw 1 MiB allreduces: how the ranks are placed now."""
+        times = []
+        for _ in range(_PROBE_CALLS):
+            start = time.perf_counter()
+            self.comm.Allreduce(self._probe_send, self._probe_recv, MPI.SUM)
+            times.append(time.perf_counter() - start)
+        return self.comm.allreduce(statistics.median(times), op=MPI.MAX)
 
     def compare(self, case: str, key: str, variants: dict[str, Callable[[int], None]]) -> dict[str, float]:
-        """Collective: time each variant (``fn(iterations)``), samples interleaved; medians in seconds per call."""
+        """Collective: time each variant (``fn(iterations)``), samples interleaved; medians in seconds per call.
+
+        Rounds of one sample per variant, with a :meth:`probe` before the first
+        round and after each (``probes_s`` of the entry).
+        """
         iterations = {}
         for name, run in variants.items():
             run(1)  # warm up: buffers, lazily created communicators
@@ -106,6 +128,7 @@ class _Bench:
             once = self.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             iterations[name] = max(1, min(100_000, int(_SAMPLE_SECONDS / max(once, 1e-7))))
         samples: dict[str, list[float]] = {name: [] for name in variants}
+        probes = [self.probe()]
         for _ in range(self.repeats):
             for name, run in variants.items():
                 self.comm.Barrier()
@@ -113,10 +136,13 @@ class _Bench:
                 run(iterations[name])
                 elapsed = self.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
                 samples[name].append(elapsed / iterations[name])
+            probes.append(self.probe())
         medians = {name: statistics.median(s) for name, s in samples.items()}
-        self.results.setdefault(case, {})[key] = {
+        entry: dict[str, Any] = {
             name: {"median_s": medians[name], "samples_s": samples[name], "iterations": iterations[name]}
             for name in variants}
+        entry["probes_s"] = probes
+        self.results.setdefault(case, {})[key] = entry
         if self.rank == 0:
             shown = ", ".join(f"{name} {human_time(medians[name])}" for name in variants)
             print(f"[bench] {case} {key}: {shown}", flush=True)
@@ -446,6 +472,7 @@ def run(args: argparse.Namespace) -> int:
     if bench.dist is not None:
         bench.dist.destroy_process_group()
     if bench.rank == 0:
+        placements(bench.results)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "results": bench.results}, f, indent=1)

@@ -8,20 +8,62 @@ is written.
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any, Iterable, Optional, Sequence
 
 from mpidist._units import human_size, human_time
 
-__all__ = ["median", "write_reports"]
+__all__ = ["SHARED", "median", "placements", "write_reports"]
+
+# Where the ranks ran during a round of samples, from the probes around it (raw 1 MiB allreduces) against the
+# run's fastest probe. On a virtual machine the hypervisor moves the cores: ranks on cores that share a cache
+# probe at the fastest time; on cores that do not, several times slower (measured: 3-4x).
+SHARED, SPLIT, MIXED = "shared", "split", "mixed"
+_SHARED_WITHIN = 2.0  # both probes within this factor of the fastest: the ranks shared a cache
+_SPLIT_FROM = 2.5  # both probes at least this factor: they did not
+_MIN_ROUNDS = 3  # fewest rounds of a kind for a median of that kind
 
 def _t(seconds: Optional[float]) -> str:
     return "-" if seconds is None else human_time(seconds)
 
 
-def median(entry: dict[str, Any], name: str) -> Optional[float]:
-    """Local: the median seconds of variant ``name`` in one ``results.json`` entry (``None``: not measured)."""
+def median(entry: dict[str, Any], name: str, shared: bool = False) -> Optional[float]:
+    """Local: the median seconds of variant ``name`` in one ``results.json`` entry (``None``: not measured).
+
+    With ``shared``, over the rounds in which the ranks shared a cache
+    (``None`` with fewer than three such rounds; see :func:`placements`).
+    """
     value = entry.get(name)
-    return value["median_s"] if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    return value.get("median_shared_s") if shared else value["median_s"]
+
+
+def placements(results: dict[str, Any]) -> None:
+    """Local: label every round of samples by where the ranks ran, and add the medians of shared rounds.
+
+    Each entry measured with probes (``probes_s``: one before the first round,
+    one after each) gets ``rounds``: per round ``"shared"`` (both probes
+    within 1.5x the run's fastest), ``"split"`` (both at least 2x) or
+    ``"mixed"``; each of its variants gets ``median_shared_s``, the median of
+    its samples in shared rounds (``None`` with fewer than three).
+    """
+    probes = [p for case in results.values() for e in case.values() for p in e.get("probes_s", ())]
+    if not probes:
+        return
+    fastest = min(probes)
+    for case in results.values():
+        for e in case.values():
+            ps = e.get("probes_s")
+            if not ps:
+                continue
+            rounds = [SHARED if max(a, b) <= _SHARED_WITHIN * fastest else SPLIT if min(a, b) >= _SPLIT_FROM * fastest
+                      else MIXED for a, b in zip(ps, ps[1:])]
+            e["rounds"] = rounds
+            for v in e.values():
+                if isinstance(v, dict) and "samples_s" in v:
+                    kept = [t for t, r in zip(v["samples_s"], rounds) if r == SHARED]
+                    v["median_shared_s"] = statistics.median(kept) if len(kept) >= _MIN_ROUNDS else None
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> str:
@@ -80,19 +122,37 @@ def _layers(e: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _placement(results: dict[str, Any]) -> list[str]:
+    """The probes' summary: the fastest probe, and how many rounds ran with the ranks sharing a cache or not."""
+    entries = [(case, key, e) for case, keyed in results.items() for key, e in keyed.items() if e.get("rounds")]
+    if not entries:
+        return []
+    probes = [p for _, _, e in entries for p in e["probes_s"]]
+    counts = {kind: sum(e["rounds"].count(kind) for _, _, e in entries) for kind in (SHARED, SPLIT, MIXED)}
+    split = [f"{case} {key}" for case, key, e in entries if e["rounds"].count(SHARED) < _MIN_ROUNDS]
+    return ["", "## Placement of the ranks", "",
+            f"Probe (five raw 1 MiB allreduces, slowest rank's median) before and after each round of samples: "
+            f"fastest {_t(min(probes))}, slowest {_t(max(probes))}. Rounds with the ranks sharing a cache (both "
+            f"probes within {_SHARED_WITHIN}x the fastest): {counts[SHARED]}; not sharing one (both at least "
+            f"{_SPLIT_FROM}x): {counts[SPLIT]}; changing: {counts[MIXED]}. The tables give the medians of all rounds. "
+            + (f"Fewer than {_MIN_ROUNDS} shared rounds: {', '.join(split)}." if split else
+               "Every measurement had at least 3 shared rounds.")]
+
+
 def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
     out = [f"# mpidist benchmark: {meta['ranks']} ranks, {meta['mpi']}", "",
            f"{meta['date']}; Python {meta['python']}, NumPy {meta['numpy']}, torch {meta['torch'] or '(not run)'}; "
            f"{meta['cpus']} CPUs; medians of {meta['repeats']} samples (slowest rank); "
            f"pipeline_bytes {human_size(meta['pipeline_bytes'])}, fusion_bytes {human_size(meta['fusion_bytes'])}; "
            f"{meta['seconds']} s in all."]
+    out += _placement(results)
     if "sweep" in results:
         out += _table("Allreduce sweep (float32 SUM, in place)",
                       ["size", "raw mpi4py", "mpidist", "mpidist/raw", "mpidist, check off", "gloo", "gloo/mpidist",
                        "busbw mpidist GB/s"],
                       (_sweep_row(nbytes, e, meta["ranks"]) for nbytes, e in _by_size(results["sweep"])))
     if "pieces" in results:
-        names = list(next(iter(results["pieces"].values())))
+        names = [name for name, v in next(iter(results["pieces"].values())).items() if isinstance(v, dict)]
         out += _table("Piece size (mpidist allreduce, check off)",
                       ["size", *(human_size(int(p)) if p.isdigit() else "one call" for p in names)],
                       ([human_size(nbytes), *(_t(median(e, p)) for p in names)]
@@ -128,7 +188,7 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         if e:
             out += _table(title, ["variant", "time", "vs every check off", f"vs {base}"],
                           ([names.get(name, name), _t(median(e, name)), _ratio(median(e, name), median(e, "all_off")),
-                            _ratio(median(e, name), median(e, base))] for name in e))
+                            _ratio(median(e, name), median(e, base))] for name in e if median(e, name) is not None))
     profile = results.get("profile", {}).get("update_8B")
     if profile:
         out += _table("Where an 8-byte mirrored update's time goes (default settings)",
