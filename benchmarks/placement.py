@@ -5,7 +5,8 @@
     mpiexec -n 2 python benchmarks/placement.py --core-to-core ./core_to_core
 
 Every ``--every`` seconds: the probe of ``python -m mpidist bench`` (five raw
-1 MiB allreduces, the slowest rank's median), then, with ``--core-to-core``,
+1 MiB allreduces against five copies of 1 MiB within a rank, the slowest
+rank's medians, and how many copies the allreduce took), then, with ``--core-to-core``,
 rank 0 runs that program (a cache line bounced between CPU 0 and CPU 1) while
 the other ranks sleep. One line per sample on rank 0. On a virtual machine the
 two go up and down together when the hypervisor moves the cores apart and back
@@ -32,14 +33,18 @@ def main() -> int:
     recv = np.empty_like(send)
     for _ in range(args.samples):
         comm.Barrier()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            comm.Allreduce(send, recv, MPI.SUM)
-            times.append(time.perf_counter() - start)
-        probe = comm.allreduce(statistics.median(times), op=MPI.MAX)
+        medians = []
+        for call in (lambda: comm.Allreduce(send, recv, MPI.SUM), lambda: np.copyto(recv, send)):
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times))
+        allreduce, copy = (comm.allreduce(t, op=MPI.MAX) for t in medians)
         if comm.rank == 0:
-            line = f"{time.strftime('%H:%M:%S')} probe {probe * 1e6:6.0f} us"
+            line = (f"{time.strftime('%H:%M:%S')} allreduce {allreduce * 1e6:6.0f} us, copy {copy * 1e6:4.0f} us: "
+                    f"{allreduce / copy:5.1f} copies")
             if args.core_to_core:
                 ns = subprocess.run([args.core_to_core], capture_output=True, text=True, check=True).stdout.strip()
                 line += f"   core-to-core round trip {ns} ns"

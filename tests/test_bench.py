@@ -72,12 +72,13 @@ def _rounds(samples, probes):
 
 
 def test_rounds_are_labelled_by_the_probes_around_them(tmp_path):
-    # 7 rounds; probes of 100 us when the ranks share a cache, 400 us when they do not
-    probes = [1e-4, 1e-4, 4e-4, 4e-4, 1.8e-4, 1e-4, 1e-4, 1e-4]
+    # 7 rounds; the probe's allreduce takes 8 local copies when the ranks share a cache, 26 when they do not
+    probes = [[8e-4, 1e-4], [8e-4, 1e-4], [2.6e-3, 1e-4], [2.6e-3, 1e-4], [1.1e-3, 1e-4], [8e-4, 1e-4],
+              [7e-4, 1e-4], [8e-4, 1e-4]]
     hand = [1.0, 9.0, 9.0, 9.0, 1.0, 1.0, 1.0]
     fused = [0.5, 9.5, 9.9, 9.9, 0.6, 0.5, 0.7]
     results = {"update": {str(16 << 20): {"hand_loop": _rounds(hand, probes), "mpidist": _rounds(fused, probes),
-                                          "mpidist_batch_update": _rounds(fused, probes), "probes_s": probes,
+                                          "mpidist_batch_update": _rounds(fused, probes), "probes": probes,
                                           "peak_extra_bytes": 0, "pipeline_bytes": 2 << 20}},
                "memory": {"8": {"copy": _timed(1.0), "add": _timed(1.0), "copy_GBps": 1.0, "add_GBps": 1.0}}}
     placements(results)
@@ -89,14 +90,14 @@ def test_rounds_are_labelled_by_the_probes_around_them(tmp_path):
     goal = "16 MiB mirrored MEAN update, `assign_add`, <= 0.7x the hand loop"
     assert dict((g, (r, m)) for g, r, m in goals.verdicts(results))[goal] == ("0.70x", True)
     assert dict((g, (r, m)) for g, r, m in goals.verdicts(results, shared=True))[goal] == ("0.55x", True)
-    entry["probes_s"] = [1e-4, 1e-4, 1e-4, 4e-4, 4e-4, 4e-4, 4e-4, 4e-4]  # two shared rounds: too few
+    entry["probes"] = [[8e-4, 1e-4]] * 3 + [[2.6e-3, 1e-4]] * 5  # two shared rounds: too few
     placements(results)
     assert median(entry, "mpidist", shared=True) is None
     assert dict((g, (r, m)) for g, r, m in goals.verdicts(results, shared=True))[goal] == ("-", None)
     write_reports(META, results, str(tmp_path))
     text = (tmp_path / "results.md").read_text()
-    assert "## Placement of the ranks" in text and "fastest 100.0 us, slowest 400.0 us" in text
-    assert "sharing a cache (both probes within 2.0x the fastest): 2; not sharing one (both at least 2.5x): 4; " \
+    assert "## Placement of the ranks" in text and "800.0 us to 2.60 ms, 8.0 to 26.0 copies" in text
+    assert "sharing a cache (both probes at most 12 copies): 2; not sharing one (both at least 15): 4; " \
            "changing: 1" in text and f"Fewer than 3 shared rounds: update {16 << 20}." in text
 
 
@@ -108,7 +109,8 @@ def test_bench_under_mpiexec_and_the_goals_of_its_results(tmp_path, capsys):
     run = json.loads((out / "results.json").read_text())
     assert run["meta"]["ranks"] == 2 and set(run["results"]) == {"sweep", "update"}
     for entry in (e for case in run["results"].values() for e in case.values()):  # a probe around each round
-        assert len(entry["probes_s"]) == 2 and all(p > 0 for p in entry["probes_s"]) and len(entry["rounds"]) == 1
+        assert len(entry["probes"]) == 2 and all(a > 0 and c > 0 for a, c in entry["probes"])
+        assert len(entry["rounds"]) == 1
     assert "## Allreduce sweep" in (out / "results.md").read_text()
     assert _goals().main([str(out / "results.json")]) == 0
     printed = capsys.readouterr().out

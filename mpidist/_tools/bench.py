@@ -35,12 +35,14 @@ interleaved sample by sample so that they see the same machine load:
 
 Every number is the median over ``--repeats`` samples of the slowest rank's
 time; a sample times enough iterations to last about 20 ms. Before the first
-round of samples of each measurement and after every round, a probe (five raw
-1 MiB allreduces) tells where the ranks ran: on a virtual machine the
-hypervisor moves the cores, and when the ranks stop sharing a cache the probe
-takes several times as long (see :func:`~mpidist._tools.bench_report.placements`;
-the report counts the rounds of each kind, and ``benchmarks/goals.py`` judges
-the goals on all rounds and on those where the ranks shared a cache). Writes
+round of samples of each measurement and after every round, a probe tells
+where the ranks ran: five raw 1 MiB allreduces against five copies of the same
+1 MiB within each rank (the slowest rank's medians). On a virtual machine the
+hypervisor moves the cores, and when the ranks stop sharing a cache the
+allreduce takes several times as long while the local copy does not (see
+:func:`~mpidist._tools.bench_report.placements`; the report counts the rounds
+of each kind, and ``benchmarks/goals.py`` judges the goals on all rounds and
+on those where the ranks shared a cache). Writes
 ``results.json``, ``results.md`` and ``busbw.png`` (when matplotlib is
 installed) to ``--out``: times and ratios, no verdicts. gloo is skipped when
 torch is missing.
@@ -104,20 +106,28 @@ class _Bench:
         self._probe_send = np.ones(_MIB // 4, np.float32)
         self._probe_recv = np.empty_like(self._probe_send)
 
-    def probe(self) -> float:
-        """Collective: the slowest rank's median of a few raw 1 MiB allreduces: how the ranks are placed now."""
-        times = []
-        for _ in range(_PROBE_CALLS):
-            start = time.perf_counter()
-            self.comm.Allreduce(self._probe_send, self._probe_recv, MPI.SUM)
-            times.append(time.perf_counter() - start)
-        return self.comm.allreduce(statistics.median(times), op=MPI.MAX)
+    def probe(self) -> list[float]:
+        """Collective: how the ranks are placed now: seconds of a raw 1 MiB allreduce and of a local 1 MiB copy.
+
+        The slowest rank's median of a few of each.
+        """
+        times: dict[str, list[float]] = {"allreduce": [], "copy": []}
+        for what, call in (("allreduce", lambda: self.comm.Allreduce(self._probe_send, self._probe_recv, MPI.SUM)),
+                           ("copy", lambda: np.copyto(self._probe_recv, self._probe_send))):
+            for _ in range(_PROBE_CALLS):
+                start = time.perf_counter()
+                call()
+                times[what].append(time.perf_counter() - start)
+        slowest = np.empty(2)
+        self.comm.Allreduce(np.array([statistics.median(times["allreduce"]), statistics.median(times["copy"])]),
+                            slowest, MPI.MAX)
+        return slowest.tolist()
 
     def compare(self, case: str, key: str, variants: dict[str, Callable[[int], None]]) -> dict[str, float]:
         """Collective: time each variant (``fn(iterations)``), samples interleaved; medians in seconds per call.
 
         Rounds of one sample per variant, with a :meth:`probe` before the first
-        round and after each (``probes_s`` of the entry).
+        round and after each (``probes`` of the entry).
         """
         iterations = {}
         for name, run in variants.items():
@@ -141,7 +151,7 @@ class _Bench:
         entry: dict[str, Any] = {
             name: {"median_s": medians[name], "samples_s": samples[name], "iterations": iterations[name]}
             for name in variants}
-        entry["probes_s"] = probes
+        entry["probes"] = probes
         self.results.setdefault(case, {})[key] = entry
         if self.rank == 0:
             shown = ", ".join(f"{name} {human_time(medians[name])}" for name in variants)

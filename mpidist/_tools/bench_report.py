@@ -15,13 +15,15 @@ from mpidist._units import human_size, human_time
 
 __all__ = ["SHARED", "median", "placements", "write_reports"]
 
-# Where the ranks ran during a round of samples, from the probes around it (raw 1 MiB allreduces) against the
-# run's fastest probe. On a virtual machine the hypervisor moves the cores: ranks on cores that share a cache
-# probe at the fastest time; on cores that do not, several times slower (measured: 3-4x).
+# Where the ranks ran during a round of samples, from the probes around it: a raw 1 MiB allreduce over a copy of
+# 1 MiB within a rank. On a virtual machine the hypervisor moves the cores: with the ranks on cores that share a
+# cache the allreduce took 6-10 local copies on the machine of docs/benchmarks.md (both MPIs), on cores that do
+# not 19-35.
 SHARED, SPLIT, MIXED = "shared", "split", "mixed"
-_SHARED_WITHIN = 2.0  # both probes within this factor of the fastest: the ranks shared a cache
-_SPLIT_FROM = 2.5  # both probes at least this factor: they did not
+_SHARED_BELOW = 12.0  # both probes at most this many copies: the ranks shared a cache
+_SPLIT_FROM = 15.0  # both at least this many: they did not
 _MIN_ROUNDS = 3  # fewest rounds of a kind for a median of that kind
+
 
 def _t(seconds: Optional[float]) -> str:
     return "-" if seconds is None else human_time(seconds)
@@ -42,23 +44,20 @@ def median(entry: dict[str, Any], name: str, shared: bool = False) -> Optional[f
 def placements(results: dict[str, Any]) -> None:
     """Local: label every round of samples by where the ranks ran, and add the medians of shared rounds.
 
-    Each entry measured with probes (``probes_s``: one before the first round,
-    one after each) gets ``rounds``: per round ``"shared"`` (both probes
-    within 1.5x the run's fastest), ``"split"`` (both at least 2x) or
-    ``"mixed"``; each of its variants gets ``median_shared_s``, the median of
-    its samples in shared rounds (``None`` with fewer than three).
+    Each entry measured with probes (``probes``: ``[allreduce seconds, copy
+    seconds]`` before the first round and after each) gets ``rounds``: per
+    round ``"shared"`` (both probes' allreduce at most 12 copies),
+    ``"split"`` (both at least 15) or ``"mixed"``; each of its variants gets
+    ``median_shared_s``, the median of its samples in shared rounds (``None``
+    with fewer than three).
     """
-    probes = [p for case in results.values() for e in case.values() for p in e.get("probes_s", ())]
-    if not probes:
-        return
-    fastest = min(probes)
     for case in results.values():
         for e in case.values():
-            ps = e.get("probes_s")
+            ps = [allreduce / copy for allreduce, copy in e.get("probes", ())]
             if not ps:
                 continue
-            rounds = [SHARED if max(a, b) <= _SHARED_WITHIN * fastest else SPLIT if min(a, b) >= _SPLIT_FROM * fastest
-                      else MIXED for a, b in zip(ps, ps[1:])]
+            rounds = [SHARED if max(a, b) <= _SHARED_BELOW else SPLIT if min(a, b) >= _SPLIT_FROM else MIXED
+                      for a, b in zip(ps, ps[1:])]
             e["rounds"] = rounds
             for v in e.values():
                 if isinstance(v, dict) and "samples_s" in v:
@@ -123,20 +122,23 @@ def _layers(e: dict[str, Any]) -> list[list[str]]:
 
 
 def _placement(results: dict[str, Any]) -> list[str]:
-    """The probes' summary: the fastest probe, and how many rounds ran with the ranks sharing a cache or not."""
+    """The probes' summary: their range, and how many rounds ran with the ranks sharing a cache or not."""
     entries = [(case, key, e) for case, keyed in results.items() for key, e in keyed.items() if e.get("rounds")]
     if not entries:
         return []
-    probes = [p for _, _, e in entries for p in e["probes_s"]]
+    probes = [p for _, _, e in entries for p in e["probes"]]
+    ratios = [allreduce / copy for allreduce, copy in probes]
     counts = {kind: sum(e["rounds"].count(kind) for _, _, e in entries) for kind in (SHARED, SPLIT, MIXED)}
-    split = [f"{case} {key}" for case, key, e in entries if e["rounds"].count(SHARED) < _MIN_ROUNDS]
+    few = [f"{case} {key}" for case, key, e in entries if e["rounds"].count(SHARED) < _MIN_ROUNDS]
     return ["", "## Placement of the ranks", "",
-            f"Probe (five raw 1 MiB allreduces, slowest rank's median) before and after each round of samples: "
-            f"fastest {_t(min(probes))}, slowest {_t(max(probes))}. Rounds with the ranks sharing a cache (both "
-            f"probes within {_SHARED_WITHIN}x the fastest): {counts[SHARED]}; not sharing one (both at least "
-            f"{_SPLIT_FROM}x): {counts[SPLIT]}; changing: {counts[MIXED]}. The tables give the medians of all rounds. "
-            + (f"Fewer than {_MIN_ROUNDS} shared rounds: {', '.join(split)}." if split else
-               "Every measurement had at least 3 shared rounds.")]
+            f"Probe before and after each round of samples: a raw 1 MiB allreduce against a copy of 1 MiB within "
+            f"a rank (slowest rank's medians of five), {_t(min(p[0] for p in probes))} to "
+            f"{_t(max(p[0] for p in probes))}, {min(ratios):.1f} to {max(ratios):.1f} copies. Rounds with the ranks "
+            f"sharing a cache (both probes at most {_SHARED_BELOW:g} copies): {counts[SHARED]}; not sharing one "
+            f"(both at least {_SPLIT_FROM:g}): {counts[SPLIT]}; changing: {counts[MIXED]}. The tables give the "
+            "medians of all rounds. "
+            + (f"Fewer than {_MIN_ROUNDS} shared rounds: {', '.join(few)}." if few else
+               f"Every measurement had at least {_MIN_ROUNDS} shared rounds.")]
 
 
 def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
