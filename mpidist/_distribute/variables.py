@@ -46,6 +46,8 @@ class VariableAggregation(enum.Enum):
     MEAN = "mean"
     ONLY_FIRST_REPLICA = "only_first_replica"
 
+    __hash__ = object.__hash__  # members are singletons: identity hashing, at C speed (the per-update op lookup)
+
 
 class VariableSynchronization(enum.Enum):
     """When a variable's components are brought in line: ``AUTO``/``ON_WRITE`` mirrored, ``ON_READ`` sync-on-read."""
