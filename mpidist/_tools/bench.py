@@ -40,9 +40,9 @@ where the ranks ran: five raw 1 MiB allreduces against five copies of the same
 1 MiB within each rank (the slowest rank's medians). On a virtual machine the
 hypervisor moves the cores, and when the ranks stop sharing a cache the
 allreduce takes several times as long while the local copy does not (see
-:func:`~mpidist._tools.bench_report.placements`; the report counts the rounds
-of each kind, and ``benchmarks/goals.py`` judges the goals on all rounds and
-on those where the ranks shared a cache). Writes
+:func:`~mpidist._tools.bench_report.placements`: the report counts the rounds
+of each kind, and ``results.json`` also holds each variant's median over the
+rounds in which the ranks shared a cache). Writes
 ``results.json``, ``results.md`` and ``busbw.png`` (when matplotlib is
 installed) to ``--out``: times and ratios, no verdicts. gloo is skipped when
 torch is missing.

@@ -13,13 +13,13 @@ from typing import Any, Iterable, Optional, Sequence
 
 from mpidist._units import human_size, human_time
 
-__all__ = ["SHARED", "median", "placements", "write_reports"]
+__all__ = ["median", "placements", "write_reports"]
 
 # Where the ranks ran during a round of samples, from the probes around it: a raw 1 MiB allreduce over a copy of
 # 1 MiB within a rank. On a virtual machine the hypervisor moves the cores: with the ranks on cores that share a
 # cache the allreduce took 6-10 local copies on the machine of docs/benchmarks.md (both MPIs), on cores that do
 # not 19-35.
-SHARED, SPLIT, MIXED = "shared", "split", "mixed"
+_SHARED, _SPLIT, _MIXED = "shared", "split", "mixed"
 _SHARED_BELOW = 12.0  # both probes at most this many copies: the ranks shared a cache
 _SPLIT_FROM = 15.0  # both at least this many: they did not
 _MIN_ROUNDS = 3  # fewest rounds of a kind for a median of that kind
@@ -56,12 +56,12 @@ def placements(results: dict[str, Any]) -> None:
             ps = [allreduce / copy for allreduce, copy in e.get("probes", ())]
             if not ps:
                 continue
-            rounds = [SHARED if max(a, b) <= _SHARED_BELOW else SPLIT if min(a, b) >= _SPLIT_FROM else MIXED
+            rounds = [_SHARED if max(a, b) <= _SHARED_BELOW else _SPLIT if min(a, b) >= _SPLIT_FROM else _MIXED
                       for a, b in zip(ps, ps[1:])]
             e["rounds"] = rounds
             for v in e.values():
                 if isinstance(v, dict) and "samples_s" in v:
-                    kept = [t for t, r in zip(v["samples_s"], rounds) if r == SHARED]
+                    kept = [t for t, r in zip(v["samples_s"], rounds) if r == _SHARED]
                     v["median_shared_s"] = statistics.median(kept) if len(kept) >= _MIN_ROUNDS else None
 
 
@@ -128,14 +128,14 @@ def _placement(results: dict[str, Any]) -> list[str]:
         return []
     probes = [p for _, _, e in entries for p in e["probes"]]
     ratios = [allreduce / copy for allreduce, copy in probes]
-    counts = {kind: sum(e["rounds"].count(kind) for _, _, e in entries) for kind in (SHARED, SPLIT, MIXED)}
-    few = [f"{case} {key}" for case, key, e in entries if e["rounds"].count(SHARED) < _MIN_ROUNDS]
+    counts = {kind: sum(e["rounds"].count(kind) for _, _, e in entries) for kind in (_SHARED, _SPLIT, _MIXED)}
+    few = [f"{case} {key}" for case, key, e in entries if e["rounds"].count(_SHARED) < _MIN_ROUNDS]
     return ["", "## Placement of the ranks", "",
             f"Probe before and after each round of samples: a raw 1 MiB allreduce against a copy of 1 MiB within "
             f"a rank (slowest rank's medians of five), {_t(min(p[0] for p in probes))} to "
             f"{_t(max(p[0] for p in probes))}, {min(ratios):.1f} to {max(ratios):.1f} copies. Rounds with the ranks "
-            f"sharing a cache (both probes at most {_SHARED_BELOW:g} copies): {counts[SHARED]}; not sharing one "
-            f"(both at least {_SPLIT_FROM:g}): {counts[SPLIT]}; changing: {counts[MIXED]}. The tables give the "
+            f"sharing a cache (both probes at most {_SHARED_BELOW:g} copies): {counts[_SHARED]}; not sharing one "
+            f"(both at least {_SPLIT_FROM:g}): {counts[_SPLIT]}; changing: {counts[_MIXED]}. The tables give the "
             "medians of all rounds. "
             + (f"Fewer than {_MIN_ROUNDS} shared rounds: {', '.join(few)}." if few else
                f"Every measurement had at least {_MIN_ROUNDS} shared rounds.")]
