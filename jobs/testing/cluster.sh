@@ -1,5 +1,6 @@
 # Sourced by the test clusters' scripts (nodes-up.sh, nodes-down.sh, slurm-up.sh, slurm-down.sh):
-# a cluster's state folder, and the watchdog that tears the cluster down when its owner dies.
+# a cluster's state folder, the watchdog that tears the cluster down when its owner dies, and
+# stopping processes.
 
 # open_state SCRIPT MARKER DIR: set $state to DIR as an absolute path. Exits 0 when DIR does not
 # exist (nothing to take down), 1 when it has no MARKER file (not a cluster's state folder).
@@ -32,4 +33,22 @@ start_watchdog() {
                   [ -f "$2/$3" ] && exec bash "$4" "$2"' watchdog "$owner" "$state" "$marker" "$down" \
     </dev/null >>"$state/watchdog.log" 2>&1 &
   echo $! > "$state/watchdog.pid"
+}
+
+# terminate SECONDS LIST_FUNCTION: TERM the processes LIST_FUNCTION prints (one PID per line, only
+# live ones), wait until it prints none, and after SECONDS KILL those left. It is called again on
+# every check, so processes that appear meanwhile are stopped too. Uses the caller's `log`.
+terminate() {
+  local seconds="$1" list="$2" pids
+  mapfile -t pids < <("$list" | sort -u)
+  [ "${#pids[@]}" -gt 0 ] || return 0
+  kill -TERM "${pids[@]}" 2>/dev/null
+  for _ in $(seq $((seconds * 10))); do
+    mapfile -t pids < <("$list" | sort -u)
+    [ "${#pids[@]}" -eq 0 ] && return 0
+    sleep 0.1
+  done
+  log "killing ${pids[*]} (still running after $seconds s)"
+  kill -KILL "${pids[@]}" 2>/dev/null
+  sleep 0.2
 }

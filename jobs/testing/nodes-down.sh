@@ -27,20 +27,7 @@ node_pids() {
   done
   for pid in $PIDS; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done
 }
-mapfile -t pids < <(node_pids | sort -u)
-if [ "${#pids[@]}" -gt 0 ]; then
-  kill -TERM "${pids[@]}" 2>/dev/null
-  for _ in $(seq 50); do
-    mapfile -t pids < <(node_pids | sort -u)
-    [ "${#pids[@]}" -eq 0 ] && break
-    sleep 0.1
-  done
-  if [ "${#pids[@]}" -gt 0 ]; then
-    log "killing ${pids[*]} (still running after 5 s)"
-    kill -KILL "${pids[@]}" 2>/dev/null
-    sleep 0.2
-  fi
-fi
+terminate 5 node_pids
 for ns in $NAMESPACES; do
   [ -e "/run/netns/$ns" ] && { ip netns delete "$ns" || log "could not delete namespace $ns"; }
 done

@@ -37,18 +37,10 @@ for f in "$state"/slurmd*.pid "$state/slurmctld.pid" "$state/munge/munged.pid"; 
     kill -0 "$pid" 2>/dev/null && pids+=("$pid")
   fi
 done
-if [ "${#pids[@]}" -gt 0 ]; then
-  kill -TERM "${pids[@]}" 2>/dev/null
-  for _ in $(seq 100); do
-    alive=()
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive+=("$pid"); done
-    [ "${#alive[@]}" -eq 0 ] && break
-    sleep 0.1
-  done
-  if [ "${#alive[@]}" -gt 0 ]; then
-    log "killing ${alive[*]} (still running after 10 s)"
-    kill -KILL "${alive[@]}" 2>/dev/null
-  fi
-fi
+daemon_pids() {
+  local pid
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done
+}
+terminate 10 daemon_pids
 rm -rf "$state"
 log "stopped; removed $state"
