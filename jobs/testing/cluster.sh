@@ -37,18 +37,20 @@ start_watchdog() {
 
 # terminate SECONDS LIST_FUNCTION: TERM the processes LIST_FUNCTION prints (one PID per line, only
 # live ones), wait until it prints none, and after SECONDS KILL those left. It is called again on
-# every check, so processes that appear meanwhile are stopped too. Uses the caller's `log`.
+# every check, so processes that appear meanwhile are stopped too. Uses the caller's `log`. (Bash
+# scoping: LIST_FUNCTION sees this function's locals, so it must not read globals named seconds,
+# list or running.)
 terminate() {
-  local seconds="$1" list="$2" pids
-  mapfile -t pids < <("$list" | sort -u)
-  [ "${#pids[@]}" -gt 0 ] || return 0
-  kill -TERM "${pids[@]}" 2>/dev/null
+  local seconds="$1" list="$2" running
+  mapfile -t running < <("$list" | sort -u)
+  [ "${#running[@]}" -gt 0 ] || return 0
+  kill -TERM "${running[@]}" 2>/dev/null
   for _ in $(seq $((seconds * 10))); do
-    mapfile -t pids < <("$list" | sort -u)
-    [ "${#pids[@]}" -eq 0 ] && return 0
+    mapfile -t running < <("$list" | sort -u)
+    [ "${#running[@]}" -eq 0 ] && return 0
     sleep 0.1
   done
-  log "killing ${pids[*]} (still running after $seconds s)"
-  kill -KILL "${pids[@]}" 2>/dev/null
+  log "killing ${running[*]} (still running after $seconds s)"
+  kill -KILL "${running[@]}" 2>/dev/null
   sleep 0.2
 }

@@ -30,16 +30,16 @@ fi
 stop_watchdog "$state"
 
 # Read every PID first: the daemons delete their PID files while they exit.
-pids=()
+daemons=()
 for f in "$state"/slurmd*.pid "$state/slurmctld.pid" "$state/munge/munged.pid"; do
   if [ -s "$f" ]; then
     pid="$(cat "$f")"
-    kill -0 "$pid" 2>/dev/null && pids+=("$pid")
+    kill -0 "$pid" 2>/dev/null && daemons+=("$pid")
   fi
 done
 daemon_pids() {
   local pid
-  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done
+  for pid in "${daemons[@]}"; do kill -0 "$pid" 2>/dev/null && echo "$pid"; done
 }
 terminate 10 daemon_pids
 rm -rf "$state"
