@@ -32,6 +32,7 @@ import pytest
 
 import requeue
 from mpirun import _kill_job, mpi_env, run_command
+from test_slurm import slurm_down
 
 pytestmark = pytest.mark.multinode
 
@@ -304,9 +305,7 @@ def slurm(cluster):
     try:
         yield env
     finally:
-        down = subprocess.run(["bash", str(TESTING / "slurm-down.sh"), str(state)], capture_output=True, text=True,
-                              timeout=60, env=env, stdin=subprocess.DEVNULL)
-        assert down.returncode == 0, f"slurm-down.sh exited {down.returncode}:\n{down.stdout}\n{down.stderr}"
+        slurm_down(state, env)
 
 
 SLURM_JOBS = [("train", "srun"), ("train", "mpiexec"), ("tests", "srun"), ("tests", "mpiexec")]

@@ -53,6 +53,30 @@ def _run(args, timeout, env=None, cwd=None):
                           timeout=timeout, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
 
 
+def slurm_down(state: Path, env) -> None:
+    """Stop the test cluster of ``state`` with ``slurm-down.sh``: it must exit 0 and leave none of its daemons."""
+    daemons = {}
+    for f in [*state.glob("slurmd*.pid"), state / "slurmctld.pid", state / "munge" / "munged.pid"]:
+        text = f.read_text().strip() if f.is_file() else ""
+        if text.isdigit():
+            daemons[f.name] = int(text)
+    start = time.monotonic()
+    down = _run(["bash", JOBS / "testing" / "slurm-down.sh", state], DOWN_TIMEOUT, env=env)
+    print(f"test cluster down in {time.monotonic() - start:.1f} s")
+    assert down.returncode == 0, f"slurm-down.sh exited {down.returncode}:\n{down.stdout}\n{down.stderr}"
+    left = {name: pid for name, pid in daemons.items() if _running(pid)}
+    assert not left, f"slurm-down.sh left {left} running:\n{down.stderr}"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def _mpi_flavour() -> str:
     """``"openmpi"`` or ``"mpich"``: the library this environment's mpi4py loads."""
     from mpi4py import MPI
@@ -101,10 +125,7 @@ def cluster():
     try:
         yield Cluster(env, own=True, sbatch_args=[])
     finally:
-        start = time.monotonic()
-        down = _run(["bash", JOBS / "testing" / "slurm-down.sh", Path(conf).parent], DOWN_TIMEOUT, env=env)
-        print(f"test cluster down in {time.monotonic() - start:.1f} s")
-        assert down.returncode == 0, f"slurm-down.sh exited {down.returncode}:\n{down.stdout}\n{down.stderr}"
+        slurm_down(Path(conf).parent, env)
 
 
 @dataclasses.dataclass
