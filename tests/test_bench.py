@@ -100,6 +100,10 @@ def test_rounds_are_labelled_by_the_probes_around_them(tmp_path):
     assert "## Placement of the ranks" in text and "800.0 us to 2.60 ms, 8.0 to 26.0 copies" in text
     assert "sharing a cache (both probes at most 12 copies): 2; not sharing one (both at least 15): 4; " \
            "changing: 1" in text and f"Fewer than 3 shared rounds: update {16 << 20}." in text
+    assert "taking turns" not in text  # 2 ranks, 2 CPUs
+    write_reports(dict(META, ranks=3), results, str(tmp_path))
+    assert "More ranks (3) than this node has CPUs (2): the probes also measure the ranks taking turns" in \
+        (tmp_path / "results.md").read_text()
 
 
 def test_bench_under_mpiexec_and_the_goals_of_its_results(tmp_path, capsys):

@@ -121,7 +121,7 @@ def _layers(e: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def _placement(results: dict[str, Any]) -> list[str]:
+def _placement(meta: dict[str, Any], results: dict[str, Any]) -> list[str]:
     """The probes' summary: their range, and how many rounds ran with the ranks sharing a cache or not."""
     entries = [(case, key, e) for case, keyed in results.items() for key, e in keyed.items() if e.get("rounds")]
     if not entries:
@@ -138,7 +138,10 @@ def _placement(results: dict[str, Any]) -> list[str]:
             f"(both at least {_SPLIT_FROM:g}): {counts[_SPLIT]}; changing: {counts[_MIXED]}. The tables give the "
             "medians of all rounds. "
             + (f"Fewer than {_MIN_ROUNDS} shared rounds: {', '.join(few)}." if few else
-               f"Every measurement had at least {_MIN_ROUNDS} shared rounds.")]
+               f"Every measurement had at least {_MIN_ROUNDS} shared rounds.")
+            + (f" More ranks ({meta['ranks']}) than this node has CPUs ({meta['cpus']}): the probes also measure the "
+               "ranks taking turns on the cores, so a slow round need not mean a split placement."
+               if meta["ranks"] > meta["cpus"] else "")]
 
 
 def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
@@ -147,7 +150,7 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
            f"{meta['cpus']} CPUs; medians of {meta['repeats']} samples (slowest rank); "
            f"pipeline_bytes {human_size(meta['pipeline_bytes'])}, fusion_bytes {human_size(meta['fusion_bytes'])}; "
            f"{meta['seconds']} s in all."]
-    out += _placement(results)
+    out += _placement(meta, results)
     if "sweep" in results:
         out += _table("Allreduce sweep (float32 SUM, in place)",
                       ["size", "raw mpi4py", "mpidist", "mpidist/raw", "mpidist, check off", "gloo", "gloo/mpidist",
