@@ -44,7 +44,7 @@ html_theme_options = {"description": "TensorFlow-style distributed values and va
 API_SECTIONS = [
     ("Strategy", ("mpidist._distribute.strategy",)),
     ("Contexts", ("mpidist._distribute.context",)),
-    ("Distributed values", ("mpidist._distribute.values",)),
+    ("Distributed values", ("mpidist._values.values",)),
     ("Variables", ("mpidist._distribute.variables",)),
     ("Reductions and options", ("mpidist._comm.reduce_op", "mpidist._options")),
     ("Input", ("mpidist._input.pipeline", "mpidist._input.datasets", "mpidist._input.sharding")),

@@ -32,7 +32,7 @@ from mpidist._distribute.metrics import Accuracy, Mean, Sum
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._options import Options
 from mpidist._distribute.strategy import MPIStrategy
-from mpidist._distribute.values import DistributedValues, Mirrored, PerReplica, regroup, select_replica, select_replica_mirrored
+from mpidist._values.values import DistributedValues, Mirrored, PerReplica, regroup, select_replica, select_replica_mirrored
 from mpidist._distribute.variables import (
     DistributedVariable,
     MirroredVariable,

@@ -8,7 +8,7 @@ work. Errors coming out of MPI are translated into :class:`CommError` with
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 __all__ = [
     "MpidistError",
@@ -21,6 +21,7 @@ __all__ = [
     "MirrorDivergenceError",
     "NonFiniteError",
     "RankLeftError",
+    "on_rank",
 ]
 
 
@@ -159,3 +160,14 @@ def format_ranks(ranks: Iterable[int], limit: int = 12) -> str:
         shown = groups[:limit]
         return ", ".join(shown) + f", ... ({len(rest)} ranks in all)"
     return ", ".join(groups)
+
+
+def on_rank(rank: Optional[int], message: str) -> str:
+    """The one prefix of mpidist's messages: ``"rank N: message"``, or ``"mpidist: message"`` without a rank.
+
+    Every error and warning mpidist writes on a rank says which rank it comes
+    from, first and in this one form, so that the interleaved output of a job
+    can be read and grepped by rank. Messages about the whole job (written
+    before MPI is up, or in the name of every rank) pass ``rank=None``.
+    """
+    return f"rank {rank}: {message}" if rank is not None else f"mpidist: {message}"

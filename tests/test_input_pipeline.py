@@ -31,7 +31,7 @@ from mpidist._input.pipeline import (
 from mpidist._distribute.metrics import Accuracy, Mean, Sum
 from mpidist._input.sharding import batch_plan, epoch_order, num_steps
 from mpidist._distribute.strategy import MPIStrategy
-from mpidist._distribute.values import PerReplica
+from mpidist._values.values import PerReplica
 
 pytestmark = pytest.mark.mpi
 

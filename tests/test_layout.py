@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mpidist"
 # Lower layers first; a module may import from its own layer and the ones before it.
-LAYERS = ["_top", "_comm", "_distribute", "_input", "_checkpoint", "_tools", "examples", "_surface"]
+LAYERS = ["_top", "_comm", "_values", "_distribute", "_input", "_checkpoint", "_tools", "examples", "_surface"]
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
 
@@ -58,7 +58,7 @@ def test_layers_import_only_downwards_and_no_private_names_across_subpackages(pa
 
 
 def test_values_need_no_mpi_and_nothing_above_them():
-    imported = [m for m, _ in module_level_imports(PACKAGE / "_distribute" / "values.py")]
+    imported = [m for m, _ in module_level_imports(PACKAGE / "_values" / "values.py")]
     assert all(m.split(".")[0] != "mpi4py" for m in imported), imported
     assert not [m for m in imported if m.startswith("mpidist.") and m not in
-                ("mpidist._distribute.nest", "mpidist._errors")], imported
+                ("mpidist._values.nest", "mpidist._errors")], imported

@@ -1,10 +1,10 @@
-"""Serial tests of mpidist._distribute.nest (no MPI)."""
+"""Serial tests of mpidist._values.nest (no MPI)."""
 from collections import OrderedDict, defaultdict, namedtuple
 
 import numpy as np
 import pytest
 
-from mpidist._distribute.nest import (
+from mpidist._values.nest import (
     assert_same_structure,
     flatten,
     map_structure,

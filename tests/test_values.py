@@ -1,4 +1,4 @@
-"""Serial tests of mpidist._distribute.values (no MPI): distributed values, regroup, select_replica."""
+"""Serial tests of mpidist._values.values (no MPI): distributed values, regroup, select_replica."""
 import copy
 import gc
 import re
@@ -9,9 +9,9 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from mpidist._distribute import values as _values
-from mpidist._distribute.nest import flatten, map_structure
-from mpidist._distribute.values import (
+from mpidist._values import values as _values
+from mpidist._values.nest import flatten, map_structure
+from mpidist._values.values import (
     DistributedValues,
     Mirrored,
     PerReplica,

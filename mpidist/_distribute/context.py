@@ -16,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._distribute import values
+from mpidist._values import values
 
 if TYPE_CHECKING:  # imported for type hints only: the strategy layer sits above this one
     from mpidist._distribute.strategy import MPIStrategy

@@ -19,8 +19,8 @@ from mpidist._comm.communicator import Communicator, Handle
 from mpidist._comm.flat import FlatStore
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._distribute.context import ReplicaContext, enter_context
-from mpidist._distribute.nest import flatten, map_structure, pack_sequence_as
-from mpidist._distribute.values import DistributedValues, PerReplica, regroup
+from mpidist._values.nest import flatten, map_structure, pack_sequence_as
+from mpidist._values.values import DistributedValues, PerReplica, regroup
 from mpidist._distribute.variables import DistributedVariable, VariableAggregation
 from mpidist._options import Options
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from mpidist._comm.backend import to_host
 from mpidist._distribute.context import get_replica_context, require_strategy
-from mpidist._distribute.values import DistributedValues
+from mpidist._values.values import DistributedValues
 from mpidist._distribute.variables import Variable, VariableAggregation, VariableSynchronization
 
 __all__ = ["Accuracy", "Mean", "Sum", "exact_decode", "exact_encode", "exact_sum"]

@@ -19,9 +19,9 @@ from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat import zeros_like_layout
 from mpidist._distribute.context import enter_context, get_replica_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
-from mpidist._distribute.nest import flatten, is_number, map_structure
+from mpidist._values.nest import flatten, is_number, map_structure
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
-from mpidist._distribute.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
+from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
 from mpidist._errors import MirrorDivergenceError, format_ranks
 from mpidist._options import Options

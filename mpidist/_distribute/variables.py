@@ -24,7 +24,7 @@ import numpy as np
 
 from mpidist._comm.backend import contiguous, to_host
 from mpidist._distribute.context import get_replica_context, in_cross_replica_context, require_strategy
-from mpidist._distribute.values import DistributedValues, Mirrored, PerReplica, register_component
+from mpidist._values.values import DistributedValues, Mirrored, PerReplica, register_component
 
 if TYPE_CHECKING:
     from mpidist._distribute.strategy import MPIStrategy

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from mpidist._comm.backend import array_module, is_device_array
-from mpidist._distribute.nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
+from mpidist._values.nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
 from mpidist._input.sharding import (
     batch_plan,
     batch_rows,

@@ -70,7 +70,7 @@ from mpidist._input.sharding import (
     per_replica_batch_size,
 )
 from mpidist._input.prefetch import Converter, Prefetcher, default_depth, wrap
-from mpidist._distribute.values import select_replica
+from mpidist._values.values import select_replica
 
 if TYPE_CHECKING:
     from mpidist._distribute.extended import AnyReduceOp

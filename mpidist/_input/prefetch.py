@@ -23,8 +23,8 @@ import numpy as np
 
 from mpidist._comm.backend import Backend, DeviceStager
 from mpidist._input.datasets import Chunk
-from mpidist._distribute.nest import is_number, map_structure
-from mpidist._distribute.values import PerReplica
+from mpidist._values.nest import is_number, map_structure
+from mpidist._values.values import PerReplica
 
 __all__ = ["Converter", "Prefetcher", "wrap"]
 

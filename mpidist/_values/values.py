@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 import numpy
 
-from mpidist._distribute.nest import assert_same_structure, map_structure, map_structure_with_path
+from mpidist._values.nest import assert_same_structure, map_structure, map_structure_with_path
 
 __all__ = [
     "DistributedValues",
