@@ -10,11 +10,15 @@ import dataclasses
 import difflib
 import os
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
 
 __all__ = ["Options"]
 
 _MIB = 1 << 20
+_PIECE_BYTES = 2 * _MIB
+# Options renamed since they were released: new name -> former name (which keeps working, and warns).
+_FORMER = {"piece_bytes": "pipeline_bytes"}
 
 
 def _parse_bool(text: str) -> bool:
@@ -49,7 +53,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "check_collectives": _parse_bool,
     "device": _parse_choice("auto", "cpu", "gpu"),
     "cuda_aware": _parse_choice("auto", "1", "0"),
-    "pipeline_bytes": int,
+    "piece_bytes": int,
     "check_finite": _parse_bool,
     "check_overflow": _parse_bool,
     "abort_on_error": _parse_bool,
@@ -85,11 +89,13 @@ class Options:
         cuda_aware: whether MPI may be handed GPU buffers: ``"1"``, ``"0"``
             (stage through pinned host memory) or ``"auto"`` (ask MPI, then
             confirm with a one-time self-test) (``MPIDIST_CUDA_AWARE``).
-        pipeline_bytes: reductions of larger buffers run in pieces of this
-            many bytes, which keeps each piece in cache; also the size of a
-            fusion bucket. The default, 2 MiB, was the fastest piece size for
-            16-256 MiB buffers on 2-rank shared-memory runs (see
-            ``docs/benchmarks.md``) (``MPIDIST_PIPELINE_BYTES``).
+        piece_bytes: reductions of larger buffers run in pieces of this
+            many bytes, each reduced by its own MPI call while it is in cache;
+            also the size of a fusion bucket. The default, 2 MiB, was the
+            fastest piece size for 16-256 MiB buffers on 2-rank shared-memory
+            runs (see ``docs/benchmarks.md``) (``MPIDIST_PIECE_BYTES``).
+            Formerly ``pipeline_bytes`` (``MPIDIST_PIPELINE_BYTES``), which
+            still works and warns (``DeprecationWarning``).
         check_finite: reductions raise :class:`~mpidist.NonFiniteError`
             naming the ranks that contributed NaN/Inf, instead of spreading
             them to every replica; costs one pass over each array
@@ -107,9 +113,9 @@ class Options:
         check_mirrored_every: compare mirrored variables' checksums across
             ranks after every k-th replica-context update of each (0: never)
             (``MPIDIST_CHECK_MIRRORED_EVERY``).
-        fusion_bytes: in a fused reduction of many arrays, arrays (or runs
+        fusion_bytes: in a fused reduction of many arrays, arrays (or spans
             of arrays adjacent in memory) of at most this many bytes are
-            packed together into reusable buckets of ``pipeline_bytes``, so
+            packed together into reusable buckets of ``piece_bytes``, so
             small arrays never cost one MPI call each; larger ones are
             reduced where they are, in pieces. 0 packs nothing
             (``MPIDIST_FUSION_BYTES``).
@@ -120,8 +126,8 @@ class Options:
             shared-memory nodes; ``k`` groups every ``k`` consecutive ranks,
             to try the algorithm on one machine (``MPIDIST_NODE_SIZE``).
         flat_variables: mirrored variables live as views of a few large
-            buffers (one series per dtype), so that a fused update of many of
-            them is one pipelined reduction with no packing
+            buffers (slabs, one series per dtype), so that a fused update of
+            many of them is one reduction in pieces, with no packing
             (``MPIDIST_FLAT_VARIABLES``).
     """
 
@@ -129,7 +135,7 @@ class Options:
     check_collectives: bool = True
     device: str = "auto"
     cuda_aware: str = "auto"
-    pipeline_bytes: int = 2 * _MIB
+    piece_bytes: int = _PIECE_BYTES
     check_finite: bool = False
     check_overflow: bool = False
     abort_on_error: bool = True
@@ -138,8 +144,15 @@ class Options:
     hierarchical: bool = False
     node_size: int = 0
     flat_variables: bool = False
+    pipeline_bytes: dataclasses.InitVar[Optional[int]] = None  # the former name of piece_bytes
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, pipeline_bytes: Optional[int]) -> None:
+        if pipeline_bytes is not None:
+            _renamed("option pipeline_bytes", "piece_bytes", stacklevel=4)
+            if self.piece_bytes not in (_PIECE_BYTES, pipeline_bytes):
+                raise ValueError(f"options piece_bytes and pipeline_bytes (its former name) disagree: "
+                                 f"{self.piece_bytes!r} and {pipeline_bytes!r}; pass only piece_bytes")
+            object.__setattr__(self, "piece_bytes", pipeline_bytes)
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name))
         if self.timeout == 0:
@@ -151,28 +164,32 @@ class Options:
         if self.fusion_bytes < 0 or self.node_size < 0:
             raise ValueError(f"options fusion_bytes and node_size must be >= 0, got {self.fusion_bytes!r} "
                              f"and {self.node_size!r}")
-        if self.pipeline_bytes < 1024:
-            raise ValueError(f"option pipeline_bytes must be at least 1024, got {self.pipeline_bytes!r}")
+        if self.piece_bytes < 1024:
+            raise ValueError(f"option piece_bytes must be at least 1024, got {self.piece_bytes!r}")
         for name in ("device", "cuda_aware"):
             _PARSERS[name](str(getattr(self, name)))
 
     @classmethod
-    def resolve(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Options":
+    def resolve(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> Options:
         """Build options from keyword overrides, then ``MPIDIST_*`` variables, then defaults."""
         env = os.environ if env is None else env
         fields = {f.name for f in dataclasses.fields(cls)}
         _warn_misspelt(env, fields)
+        overrides = _new_names(overrides)
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise ValueError(f"unknown mpidist option(s) {', '.join(unknown)}; known options: {', '.join(sorted(fields))}")
+            raise ValueError(f"unknown mpidist option(s) {', '.join(unknown)}; "
+                             f"known options: {', '.join(sorted(fields))}")
         values: dict[str, Any] = {}
         for name in fields:
-            var = "MPIDIST_" + ("CHECK" if name == "check_collectives" else name.upper())
             if name in overrides:
                 value = overrides[name]
                 # keywords are typed values; only the two text-valued options take (and normalise) text
-                values[name] = _PARSERS[name](value) if isinstance(value, str) and name in ("device", "cuda_aware") else value
-            elif var in env:
+                text = isinstance(value, str) and name in ("device", "cuda_aware")
+                values[name] = _PARSERS[name](value) if text else value
+                continue
+            var = _env_variable(env, name)
+            if var is not None:
                 try:
                     values[name] = _PARSERS[name](env[var])
                 except ValueError as exc:
@@ -186,7 +203,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "check_collectives": ((bool,), "True or False"),
     "device": ((str,), '"auto", "cpu" or "gpu"'),
     "cuda_aware": ((str,), '"auto", "1" or "0"'),
-    "pipeline_bytes": ((int,), "an integer number of bytes"),
+    "piece_bytes": ((int,), "an integer number of bytes"),
     "check_finite": ((bool,), "True or False"),
     "check_overflow": ((bool,), "True or False"),
     "abort_on_error": ((bool,), "True or False"),
@@ -206,9 +223,48 @@ _warned: set[str] = set()
 def _check_type(name: str, value: Any) -> None:
     types, expected = _TYPES[name]
     integral = isinstance(value, int) and not isinstance(value, bool)
-    if bool not in types and isinstance(value, bool) or not isinstance(value, types) or (
+    if (bool not in types and isinstance(value, bool)) or not isinstance(value, types) or (
             int in types and float not in types and not integral):
         raise TypeError(f"option {name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _new_names(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` with former option names replaced by the current ones (with a deprecation warning)."""
+    for new, old in _FORMER.items():
+        if old in overrides:
+            _renamed(f"option {old}", new, stacklevel=4)
+            if new in overrides:
+                raise ValueError(f"options {new} and {old} (its former name) were both given; pass only {new}")
+            overrides = {**overrides, new: overrides[old]}
+            del overrides[old]
+    return overrides
+
+
+def _env_variable(env: Mapping[str, str], name: str) -> Optional[str]:
+    """The variable of ``env`` that sets option ``name``: its own, else its former one, else None.
+
+    A former variable that is set warns (also when the current one overrides it).
+    """
+    var = _env_name(name)
+    old = _env_name(_FORMER[name]) if name in _FORMER else None
+    if old is not None and old in env:
+        _renamed(f"environment variable {old}", var, stacklevel=4)
+        if var not in env:
+            return old
+    return var if var in env else None
+
+
+def _renamed(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(f"{old} is deprecated: it was renamed {new}", DeprecationWarning, stacklevel=stacklevel)
+
+
+def _pipeline_bytes(self: Options) -> int:
+    """The former name of :attr:`Options.piece_bytes` (deprecated)."""
+    _renamed("Options.pipeline_bytes", "piece_bytes", stacklevel=3)
+    return self.piece_bytes
+
+
+Options.pipeline_bytes = property(_pipeline_bytes)  # type: ignore[attr-defined]  # replaces the InitVar's default
 
 
 def _env_name(option: str) -> str:
@@ -217,7 +273,7 @@ def _env_name(option: str) -> str:
 
 def _warn_misspelt(env: Mapping[str, str], fields: set[str]) -> None:
     """Warn once per variable about ``MPIDIST_*`` names that look like a misspelt option."""
-    known = {_env_name(f): f for f in fields}
+    known = {_env_name(f): f for f in [*fields, *_FORMER.values()]}
     for var in env:
         if not var.startswith("MPIDIST_") or var in known or var in _warned or var.startswith(_NOT_OPTIONS):
             continue

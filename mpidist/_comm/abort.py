@@ -18,11 +18,12 @@ import atexit
 import sys
 import traceback
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from mpi4py import MPI
 
 from mpidist._comm.agreement import leave_all
+from mpidist._errors import on_rank
 
 __all__ = ["install_abort_on_error", "install_exit_hook"]
 
@@ -36,8 +37,8 @@ def _keep_default() -> bool:
 
 def _abort(what: str, lines: list[str], code: int) -> None:
     world = MPI.COMM_WORLD
-    banner = (f"mpidist: {what} on rank {world.rank} of {world.size}; aborting the job so the other ranks do "
-              "not hang (MPIDIST_ABORT_ON_ERROR=0 turns this off)")
+    banner = on_rank(None, f"{what} on rank {world.rank} of {world.size}; aborting the job so the other ranks do "
+                           "not hang (MPIDIST_ABORT_ON_ERROR=0 turns this off)")
     sys.stderr.write("".join(f"[rank {world.rank}] {line}\n" for line in [banner, *lines]))
     sys.stderr.flush()
     world.Abort(code)
@@ -67,7 +68,7 @@ def install_abort_on_error() -> None:
         lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
         _abort(f"uncaught {exc_type.__name__}", lines, 1)
 
-    def exit(status: object = None) -> None:
+    def exit(status: Any = None) -> NoReturn:
         _state["exit_code"] = status
         previous_exit(status)
 
@@ -76,7 +77,10 @@ def install_abort_on_error() -> None:
 
 
 def install_exit_hook() -> None:
-    """At exit, abort after a failing ``sys.exit`` (with abort-on-error), else announce the departure. Local; idempotent."""
+    """At exit, abort after a failing ``sys.exit`` (with abort-on-error), else announce the departure.
+
+    Local; idempotent.
+    """
     if _state["hooked"]:
         return
     _state["hooked"] = True

@@ -29,7 +29,7 @@ to name the ranks and what each of them passed.
 Cost per rank and collective: one allreduce of ``8 * (SMALL + 14)`` bytes,
 ``O(log N)`` latency, the same size at any ``N``; nothing more unless
 something is wrong. A deadline (``options.timeout``) is honoured by polling
-the request (:meth:`~mpidist._comm.transport.Transport.poll`).
+the request (:meth:`~mpidist._comm.deadline.Deadline.poll`).
 """
 from __future__ import annotations
 
@@ -37,12 +37,13 @@ import enum
 import hashlib
 import math
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from mpidist._comm.backend import array_module, is_device_array
+from mpidist._comm.outcome import gather_texts, group_ranks
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._comm.transport import Transport
 from mpidist._errors import (
@@ -51,6 +52,7 @@ from mpidist._errors import (
     NonFiniteError,
     RankLeftError,
     format_ranks,
+    on_rank,
 )
 
 __all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate"]
@@ -146,26 +148,31 @@ def validate(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable:
 
 def _invalid(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable: bool) -> Exception:
     """The error for an argument :func:`validate` refused."""
-    where = f"rank {rank}: {name!r}"
+    kind, text = _why_invalid(array, op, writable)
+    return kind(on_rank(rank, f"{name!r}{text}"))
+
+
+def _why_invalid(array: Any, op: Optional[ReduceOp], writable: bool) -> tuple[type[Exception], str]:
+    """The error class, and what is wrong with ``array`` (following its name), for :func:`_invalid`."""
     if not (hasattr(array, "dtype") and hasattr(array, "shape") and hasattr(array, "flags")):
-        return TypeError(f"{where} is a {type(array).__name__}, not an array; pass a NumPy "
-                         "or CuPy array (numpy.asarray(x))")
+        return TypeError, (f" is a {type(array).__name__}, not an array; pass a NumPy "
+                           "or CuPy array (numpy.asarray(x))")
     char = array.dtype.char
     if char not in DTYPES:
-        return TypeError(f"{where} has dtype {array.dtype}, which mpidist cannot send; use one of "
-                         "bool, int8-64, uint8-64, float16/32/64, complex64/128")
+        return TypeError, (f" has dtype {array.dtype}, which mpidist cannot send; use one of "
+                           "bool, int8-64, uint8-64, float16/32/64, complex64/128")
     if not array.dtype.isnative:
-        return TypeError(f"{where} has non-native byte order ({array.dtype.str}); convert it first "
-                         "(x.astype(x.dtype.newbyteorder('=')))")
+        return TypeError, (f" has non-native byte order ({array.dtype.str}); convert it first "
+                           "(x.astype(x.dtype.newbyteorder('=')))")
     if not array.flags.c_contiguous:
-        return TypeError(f"{where} (shape {tuple(array.shape)}, dtype {array.dtype}) is not "
-                         "C-contiguous; pass a contiguous copy (numpy.ascontiguousarray(x))")
+        return TypeError, (f" (shape {tuple(array.shape)}, dtype {array.dtype}) is not "
+                           "C-contiguous; pass a contiguous copy (numpy.ascontiguousarray(x))")
     if writable and not array.flags.writeable:
-        return ValueError(f"{where} is read-only, but this collective writes into it; pass a writable copy")
+        return ValueError, " is read-only, but this collective writes into it; pass a writable copy"
     if op is ReduceOp.MEAN:
-        return ValueError(f"{where}: MEAN of dtype {array.dtype} would truncate; reduce a "
-                          "floating-point copy, or use SUM and divide yourself")
-    return ValueError(f"{where}: {op.name if op else '?'} is not defined for complex dtype {array.dtype}")
+        return ValueError, (f": MEAN of dtype {array.dtype} would truncate; reduce a "
+                            "floating-point copy, or use SUM and divide yourself")
+    return ValueError, f": {op.name if op else '?'} is not defined for complex dtype {array.dtype}"
 
 
 def carried(array: Any, op: Optional[ReduceOp]) -> bool:
@@ -185,7 +192,7 @@ class Ticket:
 
     __slots__ = ("_agreement", "call", "error", "carry", "expected", "then", "done", "failure", "result")
 
-    def __init__(self, agreement: "Agreement", call: Call, error: Optional[Exception], carry: int,
+    def __init__(self, agreement: Agreement, call: Call, error: Optional[Exception], carry: int,
                  expected: list[float], then: Optional[Callable[[Optional[np.ndarray]], Any]]) -> None:
         self._agreement = agreement
         self.call, self.error, self.carry, self.expected, self.then = call, error, carry, expected, then
@@ -214,7 +221,10 @@ class Ticket:
         return self.result
 
 
-_live: list["weakref.ref[Agreement]"] = []  # in creation order
+_live: list[weakref.ref[Agreement]] = []  # in creation order
+# What agree_array needs for one kind of call: the call, the carried size, this rank's hash words, the sums
+# that mean "agreed", and the record's data slots shaped like the array (send and receive side; None if not carried).
+_Plan = tuple[Call, int, tuple[float, ...], list[float], Any, Any]
 
 
 class Agreement:
@@ -239,7 +249,7 @@ class Agreement:
         self._pending: Optional[Ticket] = None
         self._carried = 0  # data slots used by the previous record (to zero them lazily)
         self._hashes: dict[tuple, tuple[tuple[float, ...], list[float]]] = {}
-        self._plans: dict[tuple, tuple[Call, int, tuple[float, ...], list[float]]] = {}
+        self._plans: dict[tuple, _Plan] = {}
         self.stop_requested = False  # this rank asks for a coordinated stop (carried in the next record)
         self.stop_agreed = False  # some rank asked; every rank learns it at the same collective
         _live.append(weakref.ref(self))
@@ -294,7 +304,7 @@ class Agreement:
         call, carry, mine, expected, into, out = plan
         t = self.transport
         if t.broken is not None:
-            raise CommError(f"rank {t.rank}: communicator unusable: {t.broken}")
+            raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
         t.seq += 1
         if carry:
             into[...] = array
@@ -318,7 +328,7 @@ class Agreement:
         self._verify(call, None, carry, expected)
         return out
 
-    def _plan(self, key: tuple, call: Call, array: Any) -> tuple:
+    def _plan(self, key: tuple, call: Call, array: Any) -> _Plan:
         """Local: what :meth:`agree_array` needs for calls like ``call`` (cached per key)."""
         carry = array.size if call.kind is Kind.ALLREDUCE and carried(array, call.op) else 0
         if len(self._plans) > 4096:
@@ -362,7 +372,7 @@ class Agreement:
         """Local: write this rank's record of ``call``; returns the carried size and the sums that mean "agreed"."""
         t = self.transport
         if t.broken is not None:
-            raise CommError(f"rank {t.rank}: communicator unusable: {t.broken}")
+            raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
         t.seq += 1
         send = self._send
         carry = (data.size if error is None and call.kind is Kind.ALLREDUCE and data.__class__ is not list
@@ -406,7 +416,7 @@ class Agreement:
         send[_LEAVING], send[_LEFT1], send[_LEFT2] = 1.0, r, r * r
         t.call("agreement", self.request.Start)
         t.poll(self.request, "exit of this rank (waiting for the other ranks to reach their next collective)")
-        t.broken = f"rank {t.rank} left the job"
+        t.broken = "this rank left the job"
 
     # -- verification -------------------------------------------------------------------------
     def _identity(self, call: Call, carry: int) -> tuple[tuple[float, ...], list[float]]:
@@ -425,7 +435,8 @@ class Agreement:
             self._hashes[key] = found
         return found
 
-    def _verify(self, call: Call, error: Optional[Exception], carry: int, expected: list[float]) -> Optional[np.ndarray]:
+    def _verify(self, call: Call, error: Optional[Exception], carry: int,
+                expected: list[float]) -> Optional[np.ndarray]:
         """Local: the verdict on the summed records, the same on every rank; the carried sums when agreed."""
         t = self.transport
         tail = self._recv[_BAD:].tolist()
@@ -445,37 +456,33 @@ class Agreement:
             self._nonfinite(call)
         return self._recv[:carry] if carry else None
 
-    def _details(self, text: str) -> list[str]:
-        """Collective (error path only): every rank's description of its call."""
-        return [b.decode(errors="replace") for b in self.transport.allgather_bytes("agreement details", text.encode())]
-
     def _mismatch(self, call: Call, error: Optional[Exception]) -> None:
         t = self.transport
         if error is not None:
             mine = f"could not take part: {error}"
         else:
             mine = "\n".join([call.describe(), *call.layout()])
-        texts = self._details(f"#{t.seq} {mine}")
+        texts = gather_texts(t, "agreement details", f"#{t.seq} {mine}")
         heads = {r: text.split("\n", 1)[0] for r, text in enumerate(texts)}
-        lines = group_ranks(heads)
+        lines = group_ranks(heads, things="calls")
         if not any(text.split(" ", 1)[1].startswith("could not take part") for text in heads.values()):
             lines += _first_difference([text.split("\n")[1:] for text in texts])
         if error is not None:
             raise error
         raise CollectiveMismatchError(
-            f"rank {t.rank}: ranks disagree on collective #{t.seq} ({call.describe()}): {lines}. Every rank "
-            "must call the same collectives in the same order, with arrays of the same dtype and shape and "
-            "the same names; no array was modified.", heads)
+            on_rank(t.rank, f"ranks disagree on collective #{t.seq} ({call.describe()}): {lines}. Every rank "
+                    "must call the same collectives in the same order, with arrays of the same dtype and shape and "
+                    "the same names; no array was modified."), heads)
 
     def _nonfinite(self, call: Call) -> None:
         t = self.transport
-        flags = self._details("1" if self._send[_NONFINITE] else "0")
+        flags = gather_texts(t, "agreement details", "1" if self._send[_NONFINITE] else "0")
         ranks = [r for r, f in enumerate(flags) if f == "1"]
         raise NonFiniteError(
-            f"rank {t.rank}: {call.describe()}: rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} "
-            "contributed NaN or Inf; nothing was reduced, so the other replicas keep finite values. Find "
-            "where the non-finite values come from (learning rate, loss scale, bad input), or turn the guard "
-            "off with check_finite=False.", ranks)
+            on_rank(t.rank, f"{call.describe()}: rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} "
+                    "contributed NaN or Inf; nothing was reduced, so the other replicas keep finite values. Find "
+                    "where the non-finite values come from (learning rate, loss scale, bad input), or turn the "
+                    "guard off with check_finite=False."), ranks)
 
 
 def _nonfinite(data: Any) -> bool:
@@ -485,19 +492,6 @@ def _nonfinite(data: Any) -> bool:
     return any(a.dtype.char in FLOATS and not bool(array_module(a).isfinite(a).all()) for a in arrays)
 
 
-def group_ranks(texts: dict[int, str], limit: int = 2000) -> str:
-    """``"ranks 0, 2: text; rank 1: other"``: ranks grouped by identical text, every distinct text kept
-    (the length capped at about ``limit`` characters)."""
-    groups: dict[str, list[int]] = {}
-    for r, text in texts.items():
-        groups.setdefault(text, []).append(r)
-    parts = [f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}: {text}" for text, rs in groups.items()]
-    out = "; ".join(parts)
-    if len(out) > limit:
-        out = out[:limit].rsplit("; ", 1)[0] + f"; ... ({len(groups)} different calls in all)"
-    return out
-
-
 def _first_difference(layouts: list[list[str]]) -> str:
     """For fused reductions: the first array whose description differs between ranks."""
     if not any(layouts):
@@ -505,7 +499,7 @@ def _first_difference(layouts: list[list[str]]) -> str:
     for i in range(max(len(rows) for rows in layouts)):
         column = {r: rows[i] if i < len(rows) else "(no such array)" for r, rows in enumerate(layouts)}
         if len(set(column.values())) > 1:
-            return f"; first difference at array #{i}: {group_ranks(column)}"
+            return f"; first difference at array #{i}: {group_ranks(column, things='calls')}"
     return ""
 
 
@@ -523,9 +517,10 @@ def _left_ranks(count: int, s1: float, s2: float) -> tuple[int, ...]:
 def _left_message(rank: int, count: int, s1: float, s2: float, what: str, seq: int) -> str:
     ranks = _left_ranks(count, s1, s2)
     who = f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}" if ranks else f"{count} ranks"
-    return (f"rank {rank}: {who} left the job (the script returned or called sys.exit) while this rank "
-            f"entered collective #{seq} ({what}); every rank must make the same collective calls, so the "
-            "ranks that stay cannot go on. Make every rank run the same steps, or end all ranks together.")
+    return on_rank(rank, f"{who} left the job (the script returned or called sys.exit) while this rank "
+                         f"entered collective #{seq} ({what}); every rank must make the same collective calls, so "
+                         "the ranks that stay cannot go on. Make every rank run the same steps, or end all ranks "
+                         "together.")
 
 
 def leave_all() -> None:

@@ -92,7 +92,7 @@ class Backend:
         return f"Backend({self.name}, {where})"
 
     @classmethod
-    def select(cls, device: str = "auto", local_rank: int = 0) -> "Backend":
+    def select(cls, device: str = "auto", local_rank: int = 0) -> Backend:
         """Choose NumPy or CuPy and bind this rank's GPU.
 
         Args:

@@ -10,32 +10,38 @@ a disagreement raises :class:`~mpidist.CollectiveMismatchError` on every rank
 before any data moves, and with a timeout the waiting ranks name the ranks that
 never arrived (:class:`~mpidist.CollectiveTimeoutError`). Arrays always travel
 as buffers, never pickled (:mod:`~mpidist._comm.transport`); large reductions
-run in cache-sized pieces; many arrays reduce together through
-:mod:`~mpidist._comm.fusion`.
+run in cache-sized pieces, each by the algorithm
+:meth:`~mpidist._comm.algorithms.Algorithms.choose` picks
+(:mod:`~mpidist._comm.algorithms`); many arrays reduce together through
+:mod:`~mpidist._comm.fusion`. :meth:`Communicator.outcome` asks whether every
+rank succeeded (:mod:`~mpidist._comm.outcome`).
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, NoReturn, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
 
+from mpidist._comm import overflow
 from mpidist._comm.abort import install_exit_hook
 from mpidist._comm.agreement import Agreement, Call, Kind, validate
+from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import Backend, array_module
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.fusion import Fusion, UpdateFn
 from mpidist._comm.handle import Handle
-from mpidist._comm.hierarchy import node_split
 from mpidist._comm.library import library_version
-from mpidist._comm import overflow
+from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
+from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport
-from mpidist._errors import CollectiveMismatchError, CommError
+from mpidist._errors import CollectiveMismatchError, CommError, format_ranks, on_rank
 from mpidist._options import Options
 
-__all__ = ["Communicator", "Handle", "duplicate_world"]
+__all__ = ["Communicator", "Failures", "Handle", "describe_failures", "duplicate_world"]
 
 
 def duplicate_world() -> MPI.Intracomm:
@@ -64,27 +70,30 @@ class Communicator:
                  backend: Optional[Backend] = None) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
-            raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(base).__name__}")
+            raise TypeError(on_rank(None, "comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), "
+                                          f"got {type(base).__name__}"))
         self.options = options if options is not None else Options.resolve()
         try:
             self._comm = base.Dup()
-            self._node = node_split(self._comm)
-            self._num_nodes = self._comm.allreduce(int(self._node.rank == 0))
+            self._topology = Topology(self._comm)
             self._transport = Transport(self._comm, self.options)
+            self._algorithms = Algorithms(self._transport, self._topology)
         except MPI.Exception as exc:
-            raise CommError(f"could not set up mpidist's communicator: {exc.Get_error_string()}") from exc
+            raise CommError(on_rank(base.rank, f"could not set up mpidist's communicator: "
+                                               f"{exc.Get_error_string()}")) from exc
         self._agreement = Agreement(self._transport)
         install_exit_hook()
         self.rank: int = self._comm.rank
         self.size: int = self._comm.size
-        self.local_rank: int = self._node.rank
-        self.local_size: int = self._node.size
+        self.local_rank: int = self._topology.node.rank
+        self.local_size: int = self._topology.node.size
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._transport.yield_while_waiting = self.local_size > cores and "mpich" in library_version().lower()
         self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
         self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self.cuda_aware = self.cuda_awareness.enabled
-        self._fusion = Fusion(self._transport, self._agreement, self.backend, self.cuda_aware)
+        self._fusion = Fusion(self._transport, self._agreement, self._algorithms, self.backend, self.cuda_aware)
+        self._choose = self._algorithms.choose
         self._node_communicator: Optional[Communicator] = None
 
     @property
@@ -101,9 +110,9 @@ class Communicator:
     @property
     def num_nodes(self) -> int:
         """Number of shared-memory nodes the ranks span."""
-        return self._num_nodes
+        return self._topology.num_nodes
 
-    def node(self) -> "Communicator":
+    def node(self) -> Communicator:
         """Collective on first call: a communicator over this node's ranks (this one, on a single node).
 
         Nodes are the ranks that share memory, or groups of ``options.node_size``
@@ -112,12 +121,12 @@ class Communicator:
         if self._node_communicator is None:
             group = self.options.node_size
             if group and group < self.size:
-                split = self._comm.Split(self.rank // group, self.rank)
+                split = group_split(self._comm, group)
                 self._node_communicator = Communicator(split, self.options, self.backend)
                 split.Free()
             else:
-                self._node_communicator = self if self._num_nodes == 1 else Communicator(
-                    self._node, self.options, self.backend)
+                self._node_communicator = self if self._topology.num_nodes == 1 else Communicator(
+                    self._topology.node, self.options, self.backend)
         return self._node_communicator
 
     def free(self) -> None:
@@ -125,11 +134,11 @@ class Communicator:
         if self._node_communicator not in (None, self):
             self._node_communicator.free()
         self._agreement.free()
-        if self._node != MPI.COMM_NULL:
-            self._node.Free()
+        self._algorithms.free()
+        self._topology.free()
         self._transport.free()
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -149,7 +158,7 @@ class Communicator:
         ranks and is only defined for floating and complex dtypes. With
         ``options.check_finite``, a NaN or Inf on any rank raises
         :class:`~mpidist.NonFiniteError` on every rank instead of spreading. Buffers
-        larger than ``options.pipeline_bytes`` are reduced in pieces of that
+        larger than ``options.piece_bytes`` are reduced in pieces of that
         size, in place, without a full-size temporary; with
         ``options.hierarchical``, each piece by the two-level algorithm.
         """
@@ -214,7 +223,7 @@ class Communicator:
         base, extra = divmod(n, self.size)
         return [base + (1 if r < extra else 0) for r in range(self.size)]
 
-    def fail(self, error: Exception, name: str) -> "NoReturn":
+    def fail(self, error: Exception, name: str) -> NoReturn:
         """Collective: take part in the collective the other ranks make, with this rank's ``error``.
 
         For a caller that found a problem with its own arguments before it
@@ -225,6 +234,23 @@ class Communicator:
         if self._agreement.enabled:
             self._agreement.agree(Call(Kind.FUSED, repr(name)), error)
         raise error
+
+    def outcome(self, error: Optional[BaseException], name: str) -> Failures:
+        """Collective: did every rank succeed? ``{}`` when every rank passed ``error=None``; otherwise
+        ``{rank: what failed there}`` for every failed rank, the same dict keys on every rank
+        (this rank's own entry is its exception object; other ranks' entries are their messages as
+        ``"ExceptionType: message"`` strings). Cheap in the common case (one small reduction,
+        nothing at one rank); per-rank detail only when some rank failed. Honours the deadline.
+
+        ``name`` says what the ranks were doing (for messages); :func:`describe_failures`
+        writes the result as one line.
+        """
+        if self.size == 1:
+            return {} if error is None else {self.rank: error}
+        failed = np.array([0.0 if error is None else 1.0])
+        if not self.allreduce(failed, ReduceOp.SUM, inplace=True, name=f"{name} (outcome)")[0]:
+            return {}
+        return gather_failures(self._transport, error, f"{name} (failures)")
 
     # -- many arrays at once ------------------------------------------------------------
     def reduce_apply(self, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Optional[ReduceOp]],
@@ -298,7 +324,7 @@ class Communicator:
         try:
             return ReduceOp.of(op), None
         except ValueError as exc:
-            return None, ValueError(f"rank {self.rank}: {exc}")
+            return None, ValueError(on_rank(self.rank, str(exc)))
 
     def _allreduce(self, array: Any, op: Any, out: Any, inplace: bool, name: str, blocking: bool) -> Any:
         error = None
@@ -306,8 +332,8 @@ class Communicator:
             op, error = self._op(op)
         error = error or validate(array, op, name, self.rank, writable=inplace)
         if error is None and out is not None:
-            error = (ValueError(f"rank {self.rank}: allreduce of {name!r}: pass either inplace=True or out=, not both")
-                     if inplace else self._out_error(array, out, name))
+            error = (ValueError(on_rank(self.rank, f"allreduce of {name!r}: pass either inplace=True or out=, "
+                                                   "not both")) if inplace else self._out_error(array, out, name))
         if error is None:
             target = array if inplace else out if out is not None else array_module(array).empty_like(array)
         agreement = self._agreement
@@ -316,9 +342,9 @@ class Communicator:
             if error is not None:
                 raise error
             if blocking and self._one_call(target) and not self._checked(op, array):
-                # the common small host case: one call, no pieces (the per-update latency path)
-                self._transport.call("allreduce", self._comm.Allreduce,
-                                     MPI.IN_PLACE if target is array else array, target, self._transport.mpi_op(op, array.dtype))
+                # the common small host case: one piece, no staging (the per-update latency path)
+                self._choose(target.nbytes).reduce("allreduce", None if target is array else array, target,
+                                                   self._transport.mpi_op(op, array.dtype))
                 if op is ReduceOp.MEAN:
                     divide_in_place(target, self.size)
                 return target
@@ -378,8 +404,9 @@ class Communicator:
         mpi_op = self._transport.mpi_op(op, array.dtype)
         flat_send = None if send is None else send.reshape(-1)
         flat_recv, flat_target = recv.reshape(-1), target.reshape(-1)
-        ranges = self._transport.pieces(target)
-        pieces = [(None if send is None else flat_send[lo:hi], flat_recv[lo:hi]) for lo, hi in ranges]
+        reduction = self._choose(target.nbytes)
+        ranges = reduction.pieces(target)
+        pieces = [(None if flat_send is None else flat_send[lo:hi], flat_recv[lo:hi]) for lo, hi in ranges]
         what = f"allreduce of {name!r}"
         staged = recv is not target
 
@@ -390,10 +417,10 @@ class Communicator:
             return target
 
         if not blocking:
-            requests, complete = self._transport.start_pieces(what, pieces, mpi_op)
+            requests, complete = reduction.start(what, pieces, mpi_op)
             return requests, lambda: (complete(), finish())[1]
         for (sbuf, rbuf), (lo, hi) in zip(pieces, ranges):
-            self._transport.reduce(what, sbuf, rbuf, mpi_op)
+            reduction.reduce(what, sbuf, rbuf, mpi_op)
             if op is ReduceOp.MEAN and not staged:
                 divide_in_place(flat_target[lo:hi], self.size)  # while the piece is in cache
         return finish()
@@ -412,14 +439,13 @@ class Communicator:
         return overflow.narrow(wide, array.dtype, name, self.rank)
 
     def _one_call(self, target: Any) -> bool:
-        return (self._transport.hierarchy is None and target.nbytes <= self.options.pipeline_bytes
-                and not self.backend.needs_staging(target, self.cuda_aware))
+        return target.nbytes <= self.options.piece_bytes and not self.backend.needs_staging(target, self.cuda_aware)
 
     def _broadcast(self, array: Any, root: Any, name: str, blocking: bool) -> Any:
-        error = None
+        error: Optional[Exception] = None
         if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < self.size:
-            error = ValueError(f"rank {self.rank}: broadcast of {name!r}: root {root!r} is not a rank of a "
-                               f"{self.size}-rank communicator")
+            error = ValueError(on_rank(self.rank, f"broadcast of {name!r}: root {root!r} is not a rank of a "
+                                                  f"{self.size}-rank communicator"))
             root = 0
         error = error or validate(array, None, name, self.rank, writable=True)
         call = Call(Kind.BROADCAST, name, None, *_layout(array, error), root=int(root))
@@ -476,28 +502,32 @@ class Communicator:
         op, error = self._op(op)
         error = error or validate(array, op, name, self.rank)
         rows = (array.shape[0] if array.ndim else 1) if error is None else 0
+        split: list[int] = []
         if error is None:
+            given: Optional[list[int]]
             try:
-                counts = self.split_counts(rows) if counts is None else [int(c) for c in counts]
+                given = self.split_counts(rows) if counts is None else [int(c) for c in counts]
             except (TypeError, ValueError):
-                counts = None
-            if counts is None or len(counts) != self.size or sum(counts) != rows or min(counts) < 0:
-                error = ValueError(f"rank {self.rank}: reduce_scatter of {name!r}: counts {counts} must be "
-                                   f"{self.size} non-negative numbers adding up to {rows} rows")
+                given = None
+            if given is None or len(given) != self.size or sum(given) != rows or min(given) < 0:
+                error = ValueError(on_rank(self.rank, f"reduce_scatter of {name!r}: counts {given} must be "
+                                                      f"{self.size} non-negative numbers adding up to {rows} rows"))
+            else:
+                split = given
         call = Call(Kind.REDUCE_SCATTER, name, op, *_layout(array, error),
-                    extra=tuple(counts) if error is None else None)
+                    extra=tuple(split) if error is None else None)
 
         def then(_: Any) -> Any:
             row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
             if self._checked(op, array):  # the whole exact sum, then this rank's block of it
-                start = sum(counts[:self.rank]) * row
-                block = self._checked_sum(array, name)[start:start + counts[self.rank] * row]
-                return block.reshape((counts[self.rank],) + tuple(array.shape[1:]))
-            result = array_module(array).empty((counts[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
+                start = sum(split[:self.rank]) * row
+                block = self._checked_sum(array, name)[start:start + split[self.rank] * row]
+                return block.reshape((split[self.rank],) + tuple(array.shape[1:]))
+            result = array_module(array).empty((split[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
             self._transport.run(f"reduce_scatter of {name!r}", "Reduce_scatter", send, recv,
-                                [c * row for c in counts], self._transport.mpi_op(op, array.dtype))
+                                [c * row for c in split], self._transport.mpi_op(op, array.dtype))
             self.backend.from_mpi(result, recv)
             if op is ReduceOp.MEAN:
                 divide_in_place(result, self.size)
@@ -526,20 +556,21 @@ class Communicator:
         bad = np.array([0 if fits else self.rank + 1], dtype=np.int64)
         self._transport.run(f"allgather of {name!r} (out=)", "Allreduce", MPI.IN_PLACE, bad, MPI.MAX)
         if not fits:
-            raise ValueError(f"rank {self.rank}: allgather of {name!r}: out= must be a writable contiguous array of "
-                             f"shape {shape} and dtype {dtype}, got {getattr(out, 'shape', type(out).__name__)} "
-                             f"{getattr(out, 'dtype', '')}")
+            got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
+            raise ValueError(on_rank(self.rank, f"allgather of {name!r}: out= must be a writable contiguous array "
+                                                f"of shape {shape} and dtype {dtype}, got {got}"))
         if bad[0]:
-            raise CollectiveMismatchError(f"rank {self.rank}: allgather of {name!r}: rank {int(bad[0]) - 1} (at least) "
-                                          "passed an out= that does not fit the result; nothing was gathered")
+            raise CollectiveMismatchError(on_rank(
+                self.rank, f"allgather of {name!r}: rank {format_ranks([int(bad[0]) - 1])} (at least) passed an out= "
+                "that does not fit the result; nothing was gathered"))
 
     def _out_error(self, array: Any, out: Any, name: str) -> Optional[Exception]:
         if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
-            return ValueError(f"rank {self.rank}: allreduce of {name!r}: out= must have the input's shape "
-                              f"{tuple(array.shape)} and dtype {array.dtype}, got "
-                              f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}")
+            got = f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}"
+            return ValueError(on_rank(self.rank, f"allreduce of {name!r}: out= must have the input's shape "
+                                                 f"{tuple(array.shape)} and dtype {array.dtype}, got {got}"))
         if not out.flags.c_contiguous or not out.flags.writeable:
-            return ValueError(f"rank {self.rank}: allreduce of {name!r}: out= must be C-contiguous and writable")
+            return ValueError(on_rank(self.rank, f"allreduce of {name!r}: out= must be C-contiguous and writable"))
         return None
 
 

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from mpidist._comm.backend import Backend
 from mpidist._comm.library import libmpi_paths
+from mpidist._errors import on_rank
 
 __all__ = ["CudaAwareness", "decide_cuda_aware", "library_cuda_support", "resolve_cuda_aware"]
 
@@ -116,10 +117,10 @@ def resolve_cuda_aware(comm: MPI.Intracomm, backend: Backend, setting: str) -> C
     decision = decide_cuda_aware(comm, backend, setting)
     if decision.source != "host" and comm.rank == 0 and decision not in _reported:
         _reported.add(decision)
-        logger.info("mpidist: %s", decision.describe())
+        logger.info("%s", on_rank(None, decision.describe()))
         if setting == "auto" and not decision.enabled:
-            warnings.warn(f"mpidist: {decision.describe()}. Set MPIDIST_CUDA_AWARE=1 to skip the check on an "
-                          "MPI you know is CUDA-aware.", RuntimeWarning, stacklevel=4)
+            warnings.warn(on_rank(None, f"{decision.describe()}. Set MPIDIST_CUDA_AWARE=1 to skip the check on an "
+                                        "MPI you know is CUDA-aware."), RuntimeWarning, stacklevel=4)
     return decision
 
 

@@ -8,10 +8,10 @@ operations:
 - :meth:`Fusion.reduce_apply` reduces each array and hands the result, piece
   by piece, to an update function (``target += reduced``), while the piece is
   in cache. Arrays that lie back to back in memory (flat storage, see
-  :mod:`mpidist._comm.flat`), together with their targets, are reduced where they
-  are as one span; other arrays of at most ``options.fusion_bytes`` are packed
-  into a reusable bucket of ``options.pipeline_bytes``, one MPI call per
-  bucket; larger ones are reduced where they are, in pieces. The only
+  :mod:`mpidist._comm.flat_store`), together with their targets, are reduced
+  where they are as one span; other arrays of at most ``options.fusion_bytes``
+  are packed into a reusable bucket of ``options.piece_bytes``, one MPI call
+  per bucket; larger ones are reduced where they are, in pieces. The only
   temporary is one bucket per dtype, reused across calls: the arrays passed in
   are never modified.
 - :meth:`Fusion.allreduce_many` returns new arrays, through ``reduce_apply``;
@@ -22,20 +22,25 @@ Every rank must pass arrays of the same dtypes and shapes, in the same order,
 with the same ops. The ranks agree on all of them with one record (a digest
 of the whole list); when they differ, a second exchange names the first
 array that differs. ``op`` ``None`` means rank 0's value (a broadcast).
+Each MPI call's reduction algorithm is the one
+:meth:`~mpidist._comm.algorithms.Algorithms.choose` picks for its size.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from mpidist._comm.agreement import Agreement, Call, Kind, validate
-from mpidist._comm.backend import Backend, array_module, data_pointer, is_device_array
-from mpidist._comm.flat import joinable, span
-from mpidist._comm.handle import Handle
 from mpidist._comm import overflow
+from mpidist._comm.agreement import Agreement, Call, Kind, validate
+from mpidist._comm.algorithms import Algorithms
+from mpidist._comm.backend import Backend, array_module, data_pointer, is_device_array
+from mpidist._comm.flat_store import joinable, span
+from mpidist._comm.handle import Handle
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.transport import Transport
+from mpidist._errors import on_rank
 
 __all__ = ["Fusion", "UpdateFn"]
 
@@ -49,9 +54,11 @@ class Fusion:
     Local construction. Every method is collective over the transport's communicator.
     """
 
-    def __init__(self, transport: Transport, agreement: Agreement, backend: Backend, cuda_aware: bool) -> None:
+    def __init__(self, transport: Transport, agreement: Agreement, algorithms: Algorithms, backend: Backend,
+                 cuda_aware: bool) -> None:
         self._transport = transport
         self._agreement = agreement
+        self._choose = algorithms.choose
         self._backend = backend
         self._cuda_aware = cuda_aware
         self._options = transport.options
@@ -115,15 +122,15 @@ class Fusion:
         if len(sends) == 1:  # the per-update latency path
             self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place)
             return
-        limit = min(self._options.fusion_bytes, self._options.pipeline_bytes)
+        limit = min(self._options.fusion_bytes, self._options.piece_bytes)
         for op, members in self._groups(sends, ops):
             bucket: list[tuple[Any, Any]] = []
             used = 0
-            for send, target in _runs([sends[i] for i in members], [targets[i] for i in members]):
+            for send, target in _spans([sends[i] for i in members], [targets[i] for i in members]):
                 if send.nbytes > limit:  # large: reduce it where it is
                     self._stream(what, send, target, op, fn, in_place)
                     continue
-                if used + send.nbytes > self._options.pipeline_bytes:
+                if used + send.nbytes > self._options.piece_bytes:
                     self._flush(what, bucket, op, fn, in_place)
                     bucket, used = [], 0
                 bucket.append((send, target))
@@ -145,7 +152,7 @@ class Fusion:
                 sums[i] = overflow.narrow(carried.reshape(-1), sends[i].dtype, names[i], rank)
             else:
                 wide = overflow.widen(sends[i])
-                for lo, hi in self._transport.pieces(wide):
+                for lo, hi in self._choose(wide.nbytes).pieces(wide):
                     self._transfer(what, None, wide[lo:hi], ReduceOp.SUM)
                 sums[i] = overflow.narrow(wide, sends[i].dtype, names[i], rank)
         for i, reduced in sums.items():
@@ -178,20 +185,20 @@ class Fusion:
             fn(target[lo:hi], self._transfer(what, None, send[lo:hi], op) if in_place else
                self._transfer(what, send[lo:hi], bucket[:hi - lo], op))
 
-    def _flush(self, what: str, runs: list[tuple[Any, Any]], op: Op, fn: UpdateFn, in_place: bool) -> None:
-        """Pack ``runs`` (flat sends and targets, together at most one bucket) and reduce them with one call."""
-        if len(runs) <= 1:
-            for send, target in runs:
+    def _flush(self, what: str, spans: list[tuple[Any, Any]], op: Op, fn: UpdateFn, in_place: bool) -> None:
+        """Pack ``spans`` (flat sends and targets, together at most one bucket) and reduce them with one call."""
+        if len(spans) <= 1:
+            for send, target in spans:
                 self._stream(what, send, target, op, fn, in_place)
             return
-        bucket = self._bucket(runs[0][0])
+        bucket = self._bucket(spans[0][0])
         offset = 0
-        for send, _ in runs:
+        for send, _ in spans:
             bucket[offset:offset + send.size] = send
             offset += send.size
         reduced = self._transfer(what, None, bucket[:offset], op)
         offset = 0
-        for send, target in runs:
+        for send, target in spans:
             fn(target, reduced[offset:offset + send.size])
             if in_place:
                 send[...] = reduced[offset:offset + send.size]
@@ -228,8 +235,8 @@ class Fusion:
         """
         t = self._transport
         if self._options.check_overflow and any(overflow.applies(op, a.dtype) for a in arrays):
-            results = self.allreduce_many(arrays, op, names)  # checked sums complete before anything is written
-            return Handle(t, None, ([], lambda: then(results)))
+            reduced = self.allreduce_many(arrays, op, names)  # checked sums complete before anything is written
+            return Handle(t, None, ([], lambda: then(reduced)))
         what = _what(arrays, [op] * len(arrays), names)
         results: list[Any] = [None] * len(arrays)
         copies = []
@@ -244,8 +251,9 @@ class Fusion:
             steps: list[Callable[[], None]] = []
             for out in copies:
                 host = self._backend.to_mpi(out, self._cuda_aware, reuse=False)
-                started, complete = t.start_pieces(
-                    what, [(None, host[lo:hi]) for lo, hi in t.pieces(host)], t.mpi_op(op, out.dtype))
+                reduction = self._choose(host.nbytes)
+                started, complete = reduction.start(
+                    what, [(None, host[lo:hi]) for lo, hi in reduction.pieces(host)], t.mpi_op(op, out.dtype))
                 requests += started
 
                 def step(out: Any = out, host: Any = host, complete: Callable[[], None] = complete) -> None:
@@ -266,7 +274,8 @@ class Fusion:
         if not self._agreement.enabled:
             t.begin()
             return Handle(t, None, start(None), keep=tuple(copies))
-        ticket = self._agreement.start(self._call(arrays, [op] * len(arrays), names), self._error(arrays, [op] * len(arrays), names),
+        ops = [op] * len(arrays)
+        ticket = self._agreement.start(self._call(arrays, ops, names), self._error(arrays, ops, names),
                                        list(arrays), self._options.check_finite, start)
         return Handle(t, ticket, keep=tuple(copies))
 
@@ -316,11 +325,11 @@ class Fusion:
         return out
 
     def _bucket(self, like: Any) -> Any:
-        """The reusable bucket for ``like``'s module and dtype: ``options.pipeline_bytes`` (at least one element)."""
+        """The reusable bucket for ``like``'s module and dtype: ``options.piece_bytes`` (at least one element)."""
         key = (type(like), like.dtype)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = array_module(like).empty(max(1, self._options.pipeline_bytes // like.itemsize), dtype=like.dtype)
+            bucket = array_module(like).empty(max(1, self._options.piece_bytes // like.itemsize), dtype=like.dtype)
             self._buckets[key] = bucket
         return bucket
 
@@ -340,13 +349,13 @@ class Fusion:
             return source
         mpi_op = t.mpi_op(op, buf.dtype)
         if not is_device_array(buf):
-            t.reduce(what, send, buf, mpi_op)
+            self._choose(buf.nbytes).reduce(what, send, buf, mpi_op)
         else:
             if send is not None and backend.needs_staging(buf, self._cuda_aware):
                 buf[...] = send  # stage one buffer, reduced in place
                 send = None
             host = backend.to_mpi(buf, self._cuda_aware)
-            t.reduce(what, send, host, mpi_op)
+            self._choose(buf.nbytes).reduce(what, send, host, mpi_op)
             backend.from_mpi(buf, host)
         if op is ReduceOp.MEAN:
             divide_in_place(buf, t.size)
@@ -377,16 +386,16 @@ def _into(target: Any, reduced: Any) -> None:
 
 
 
-def _runs(sends: Sequence[Any], targets: Sequence[Any]) -> list[tuple[Any, Any]]:
+def _spans(sends: Sequence[Any], targets: Sequence[Any]) -> list[tuple[Any, Any]]:
     """Flat (send, target) spans: consecutive pairs whose sends and targets both lie back to back join."""
-    runs: list[tuple[Any, Any]] = []
+    spans: list[tuple[Any, Any]] = []
     start = 0
     for i in range(1, len(sends) + 1):
         if i < len(sends) and joinable(sends[i - 1], sends[i]) and joinable(targets[i - 1], targets[i]):
             continue
-        runs.append((span(sends[start:i]), span(targets[start:i])))
+        spans.append((span(sends[start:i]), span(targets[start:i])))
         start = i
-    return runs
+    return spans
 
 
 def _what(arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> str:
@@ -409,11 +418,11 @@ def _cast(carried: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def _out_error(arrays: Sequence[Any], out: Sequence[Any], rank: int) -> Optional[Exception]:
     """Local: why ``out`` cannot hold the reductions of ``arrays``, or ``None``."""
     if len(out) != len(arrays):
-        return ValueError(f"rank {rank}: out= holds {len(out)} arrays for {len(arrays)} values")
+        return ValueError(on_rank(rank, f"out= holds {len(out)} arrays for {len(arrays)} values"))
     for i, (a, o) in enumerate(zip(arrays, out)):
         if getattr(o, "shape", None) != a.shape or getattr(o, "dtype", None) != a.dtype or not (
                 o.flags.c_contiguous and o.flags.writeable):
-            return ValueError(f"rank {rank}: out[{i}] must be a writable contiguous array of shape {tuple(a.shape)} "
-                              f"and dtype {a.dtype}, got {getattr(o, 'shape', type(o).__name__)} "
-                              f"{getattr(o, 'dtype', '')}")
+            return ValueError(on_rank(rank, f"out[{i}] must be a writable contiguous array of shape "
+                                            f"{tuple(a.shape)} and dtype {a.dtype}, got "
+                                            f"{getattr(o, 'shape', type(o).__name__)} {getattr(o, 'dtype', '')}"))
     return None

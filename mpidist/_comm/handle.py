@@ -24,7 +24,7 @@ class Handle:
     keeps the arrays it reads and writes alive until it completes.
     """
 
-    def __init__(self, transport: Transport, ticket: Optional["Ticket"], stage: Optional[Stage] = None,
+    def __init__(self, transport: Transport, ticket: Optional[Ticket], stage: Optional[Stage] = None,
                  keep: tuple = ()) -> None:
         self._transport = transport
         self._ticket = ticket
@@ -34,11 +34,8 @@ class Handle:
         self._result: Any = None
 
     def _data_stage(self, block: bool) -> Optional[Stage]:
-        if self._stage is None and self._ticket is not None:
-            if block:
-                self._stage = self._ticket.wait()
-            elif self._ticket.test():
-                self._stage = self._ticket.wait()
+        if self._stage is None and self._ticket is not None and (block or self._ticket.test()):
+            self._stage = self._ticket.wait()
         return self._stage
 
     def test(self) -> bool:

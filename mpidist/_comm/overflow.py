@@ -20,7 +20,7 @@ import numpy as np
 
 from mpidist._comm.backend import array_module
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._errors import IntegerOverflowError
+from mpidist._errors import IntegerOverflowError, on_rank
 
 __all__ = ["applies", "narrow", "widen"]
 
@@ -78,7 +78,8 @@ def _refuse(xp: Any, bad: Any, exact: Any, dtype: np.dtype, name: str, rank: int
     info = np.iinfo(dtype)
     shown = ", ".join(f"[{i}] = {exact(i)}" for i in indices[:3])
     raise IntegerOverflowError(
-        f"rank {rank}: the SUM of {name!r} does not fit dtype {dtype} ({info.min} to {info.max}) at {count} "
-        f"element{'s' if count > 1 else ''} ({shown}{', ...' if count > 3 else ''}); nothing was written. "
-        "Reduce a wider dtype (for example int64), or turn check_overflow off to wrap around as MPI does.",
+        on_rank(rank, f"the SUM of {name!r} does not fit dtype {dtype} ({info.min} to {info.max}) at {count} "
+                      f"element{'s' if count > 1 else ''} ({shown}{', ...' if count > 3 else ''}); nothing was "
+                      "written. Reduce a wider dtype (for example int64), or turn check_overflow off to wrap "
+                      "around as MPI does."),
         name, indices)

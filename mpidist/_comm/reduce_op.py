@@ -23,7 +23,7 @@ class ReduceOp(enum.Enum):
     __hash__ = object.__hash__  # members are singletons: identity hashing, at C speed (ops key caches)
 
     @classmethod
-    def of(cls, op: Union["ReduceOp", str]) -> "ReduceOp":
+    def of(cls, op: Union[ReduceOp, str]) -> ReduceOp:
         """Accept a ``ReduceOp`` or its name (``"sum"``, ``"MEAN"``, ...)."""
         if op.__class__ is cls:
             return op

@@ -1,17 +1,18 @@
-"""Flat storage: arrays that are consecutive views of a few large buffers.
+"""Flat variable storage: arrays that are consecutive views of a few large buffers (slabs).
 
 A fused reduction of arrays that lie back to back in one buffer needs no
 packing: the buffer's span is reduced where it is, in pieces. This module hands
-out such arrays (:class:`FlatStore`), tells whether two arrays lie back to back
-(:func:`joinable`) and gives the flat view spanning such a run (:func:`span`),
-and makes zero-filled arrays laid out like given ones (:func:`zeros_like_layout`),
-for example gradients of flat variables. Everything here is local: nothing
-communicates.
+out such arrays (:class:`FlatStore`, from slabs of ``slab_bytes``), tells
+whether two arrays lie back to back (:func:`joinable`), gives the flat view of
+a span of such arrays (:func:`span`), and makes zero-filled arrays laid out
+like given ones (:func:`zeros_like_layout`), for example gradients of flat
+variables. Everything here is local: nothing communicates.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from mpidist._comm.backend import data_pointer
 
 __all__ = ["FlatStore", "joinable", "span", "zeros_like_layout"]
 
-_CHUNK_BYTES = 64 << 20
+_SLAB_BYTES = 64 << 20
 
 
 def _owner(array: Any) -> Optional[tuple[Any, int]]:
@@ -42,7 +43,7 @@ def joinable(a: Any, b: Any) -> bool:
 
 
 def span(arrays: Sequence[Any]) -> Any:
-    """A flat view of the memory of ``arrays``: one array, or a run of :func:`joinable` ones."""
+    """A flat view of the memory of ``arrays``: one array, or a span of :func:`joinable` ones."""
     if len(arrays) == 1:
         return arrays[0].reshape(-1)
     flat, offset = _owner(arrays[0])  # type: ignore[misc]  # joinable arrays have an owner
@@ -50,37 +51,37 @@ def span(arrays: Sequence[Any]) -> Any:
 
 
 class FlatStore:
-    """Hands out zero-filled arrays as consecutive views of large buffers, one series per dtype.
+    """Hands out zero-filled arrays as consecutive views of slabs, one series of slabs per dtype.
 
     Arrays allocated one after another with the same dtype lie back to back
-    (:func:`joinable`) until a buffer of ``chunk_bytes`` is full; an array larger
-    than that gets a buffer of its own. A buffer is freed when no view of it is
+    (:func:`joinable`) until a slab of ``slab_bytes`` is full; an array larger
+    than that gets a buffer of its own. A slab is freed when no view of it is
     left. Local.
     """
 
-    def __init__(self, xp: ModuleType, chunk_bytes: int = _CHUNK_BYTES) -> None:
+    def __init__(self, xp: ModuleType, slab_bytes: int = _SLAB_BYTES) -> None:
         self._xp = xp
-        self._chunk_bytes = chunk_bytes
-        self._open: dict[str, tuple[Any, int]] = {}  # dtype -> (buffer, elements handed out)
+        self._slab_bytes = slab_bytes
+        self._open: dict[str, tuple[Any, int]] = {}  # dtype -> (slab, elements handed out)
 
     def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
-        """A zero-filled C-contiguous array of ``shape`` and ``dtype``, a view of a shared buffer."""
+        """A zero-filled C-contiguous array of ``shape`` and ``dtype``, a view of a shared slab."""
         dtype = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64))
-        chunk = max(1, self._chunk_bytes // dtype.itemsize)
-        if n >= chunk:
+        slab = max(1, self._slab_bytes // dtype.itemsize)
+        if n >= slab:
             return self._xp.zeros(n, dtype=dtype).reshape(shape)
         buffer, used = self._open.get(dtype.str, (None, 0))
         if buffer is None or used + n > buffer.size:
-            buffer, used = self._xp.zeros(chunk, dtype=dtype), 0
+            buffer, used = self._xp.zeros(slab, dtype=dtype), 0
         self._open[dtype.str] = (buffer, used + n)
         return buffer[used:used + n].reshape(shape)
 
 
 def zeros_like_layout(arrays: Sequence[Any], xp: ModuleType) -> list[Any]:
-    """Zero-filled arrays shaped like ``arrays``, where runs of joinable arrays get joinable results.
+    """Zero-filled arrays shaped like ``arrays``, where spans of joinable arrays get joinable results.
 
-    One buffer per run, so a fused reduction of the results needs no packing
+    One buffer per span, so a fused reduction of the results needs no packing
     when ``arrays`` need none. Local.
     """
     result: list[Any] = []
@@ -89,10 +90,10 @@ def zeros_like_layout(arrays: Sequence[Any], xp: ModuleType) -> list[Any]:
         end = start + 1
         while end < len(arrays) and joinable(arrays[end - 1], arrays[end]):
             end += 1
-        run = arrays[start:end]
-        buffer = xp.zeros(sum(a.size for a in run), dtype=run[0].dtype)
+        members = arrays[start:end]
+        buffer = xp.zeros(sum(a.size for a in members), dtype=members[0].dtype)
         offset = 0
-        for a in run:
+        for a in members:
             result.append(buffer[offset:offset + a.size].reshape(a.shape))
             offset += a.size
         start = end

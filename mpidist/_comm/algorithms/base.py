@@ -1,0 +1,89 @@
+"""The template of every reduction algorithm: what all of them share, written once.
+
+Modelled on TensorFlow's ``CrossDeviceOps`` (``cross_device_ops.py``): the
+public methods of :class:`Reduction` take MPI-ready buffers, handle the
+one-replica case (a copy, no MPI) once for every algorithm, and otherwise call
+the one hook an algorithm overrides:
+
+- :meth:`Reduction.reduce_implementation`: blocking, one buffer;
+- :meth:`Reduction.start_implementation`: nonblocking, the pieces of a
+  pipelined reduction, returning their requests and the step that completes
+  them once the requests did.
+
+A piece is a cache-sized slice of one array reduced by its own MPI call
+(``options.piece_bytes``, :meth:`Reduction.pieces`). A wire encoding (such as
+a later compression) belongs to this template, as a stage around the hook, so
+that every algorithm can use it. The layers above choose the algorithm for a
+call with :meth:`~mpidist._comm.algorithms.Algorithms.choose`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+from mpi4py import MPI
+
+from mpidist._comm.transport import Transport
+
+__all__ = ["Completion", "Piece", "Reduction", "nothing"]
+
+Piece = tuple[Optional[Any], Any]  # (send, or None to reduce recv in place; recv): MPI-ready buffers
+Completion = Callable[[], None]
+
+
+def nothing() -> None:
+    """The completion step of pieces that need none."""
+
+
+class Reduction:
+    """A reduction algorithm over ``transport``: ``recv`` <- the elementwise reduction of every rank's ``send``.
+
+    Local construction unless a subclass says otherwise; :meth:`free` releases
+    what the algorithm holds (collective). Buffers are MPI-ready (host
+    memory, or device memory with CUDA-aware MPI); ``send`` ``None`` reduces
+    ``recv`` in place.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.size = transport.size
+        self.piece_bytes = transport.options.piece_bytes
+
+    def free(self) -> None:
+        """Collective: release the algorithm's communicators (none by default)."""
+
+    def pieces(self, array: Any) -> list[tuple[int, int]]:
+        """Local: ``(lo, hi)`` element ranges of ``options.piece_bytes`` covering the flat ``array``."""
+        step = max(1, self.piece_bytes // max(1, array.itemsize))
+        return [(lo, min(lo + step, array.size)) for lo in range(0, array.size, step)]
+
+    def reduce(self, what: str, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> None:
+        """Collective: ``recv`` <- the reduction of every rank's ``send`` (of ``recv`` itself if ``None``)."""
+        if self.size == 1:
+            if send is not None:
+                recv[...] = send
+            return
+        self.reduce_implementation(what, send, recv, mpi_op)
+
+    def start(self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
+        """Collective, nonblocking: start reducing each ``(send or None, recv)`` piece.
+
+        Returns the requests and the step to run once they completed (which
+        may make further, blocking MPI calls).
+        """
+        if self.size == 1:
+            for send, recv in pieces:
+                if send is not None:
+                    recv[...] = send
+            return [], nothing
+        return self.start_implementation(what, pieces, mpi_op)
+
+    # -- what an algorithm overrides ---------------------------------------------------------
+    def reduce_implementation(self, what: str, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> None:
+        """Collective, at two ranks or more: :meth:`reduce`'s work."""
+        raise NotImplementedError
+
+    def start_implementation(self, what: str, pieces: Sequence[Piece],
+                             mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
+        """Collective, at two ranks or more: :meth:`start`'s work."""
+        raise NotImplementedError

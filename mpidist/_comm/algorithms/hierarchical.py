@@ -1,0 +1,78 @@
+"""The two-level (hierarchical) reduction: within each node, across node leaders, within each node.
+
+On a multi-node run most of a flat allreduce's traffic can stay inside the
+nodes: the ranks of a node first reduce onto their node leader over a
+shared-memory communicator, the leaders allreduce among themselves (one rank
+per node on the network), and each leader broadcasts the result back within its
+node. The result equals the flat algorithm's up to the order in which floating
+point numbers are added (exactly, for integers).
+
+``options.node_size`` forces the grouping (every ``node_size`` consecutive
+ranks form a "node", :func:`~mpidist._comm.topology.group_split`), so the
+algorithm can be tried and tested on one machine; otherwise the nodes are the
+:class:`~mpidist._comm.topology.Topology`'s.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, cast
+
+from mpi4py import MPI
+
+from mpidist._comm.algorithms.base import Completion, Piece, Reduction
+from mpidist._comm.topology import Topology, group_split
+from mpidist._comm.transport import Transport
+
+__all__ = ["Hierarchical"]
+
+
+class Hierarchical(Reduction):
+    """Reduce to the node leader, allreduce among the leaders, broadcast within the node.
+
+    Collective construction over the transport's communicator (it splits the
+    leaders' communicator, and the nodes when ``options.node_size`` is set);
+    :meth:`free` (collective) releases what it split.
+    """
+
+    def __init__(self, transport: Transport, topology: Topology) -> None:
+        super().__init__(transport)
+        comm, node_size = transport.comm, transport.options.node_size
+        self._own_node = bool(node_size)
+        self.node: MPI.Intracomm = group_split(comm, node_size) if node_size else topology.node
+        self.is_leader = self.node.rank == 0
+        # COMM_NULL on the other ranks
+        self.leaders = cast(MPI.Intracomm, comm.Split(0 if self.is_leader else MPI.UNDEFINED, comm.rank))
+
+    def free(self) -> None:
+        """Collective: release the leaders' communicator (and the nodes', when split by ``node_size``)."""
+        for c in (self.leaders, self.node) if self._own_node else (self.leaders,):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+    def reduce_implementation(self, what: str, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> None:
+        """Collective: the three stages, blocking."""
+        self.transport.run(what, "Reduce", *self._to_leader(send, recv, mpi_op), comm=self.node)
+        self._complete(what, recv, mpi_op)
+
+    def start_implementation(self, what: str, pieces: Sequence[Piece],
+                             mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
+        """Collective: the reductions within the node run in the background; the completion runs the rest."""
+        start = self.transport.start
+
+        def complete() -> None:
+            for _, recv in pieces:
+                self._complete(what, recv, mpi_op)
+
+        return [start("Reduce", *self._to_leader(s, r, mpi_op), comm=self.node) for s, r in pieces], complete
+
+    def _to_leader(self, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> tuple[Any, Any, MPI.Op, int]:
+        """Local: the arguments of the reduction onto the node leader (in place on the leader)."""
+        if self.is_leader:
+            return MPI.IN_PLACE if send is None else send, recv, mpi_op, 0
+        return recv if send is None else send, None, mpi_op, 0
+
+    def _complete(self, what: str, recv: Any, mpi_op: MPI.Op) -> None:
+        """Collective: the leaders' allreduce of ``recv``, then the broadcast within each node (blocking)."""
+        if self.is_leader and self.leaders.size > 1:
+            self.transport.run(what, "Allreduce", MPI.IN_PLACE, recv, mpi_op, comm=self.leaders)
+        self.transport.run(what, "Bcast", recv, 0, comm=self.node)
