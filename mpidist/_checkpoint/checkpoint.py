@@ -2,7 +2,9 @@
 
 ``Checkpoint(**items)`` names what to save; :meth:`Checkpoint.save` and
 :meth:`Checkpoint.restore` are collective over the variables' strategy. The
-saving rules of TF's ``_MirroredSaveable`` / ``_TowerLocalSaveable``:
+saving rules of TF's ``_MirroredSaveable`` / ``_TowerLocalSaveable``, which
+each variable's synchronization policy owns (the checkpoint asks the policy
+what to save and how to restore it, see :mod:`mpidist._distribute.variables`):
 
 - a mirrored variable saves its value once and restores it to every rank;
 - a sync-on-read variable saves its reduced value (what ``read_value()``
@@ -57,10 +59,11 @@ import numpy as np
 from mpidist._checkpoint import format as fmt
 from mpidist._checkpoint import validate
 from mpidist._checkpoint.reader import Save, read_checkpoint
-from mpidist._comm.backend import to_host
+from mpidist._comm.communicator import describe_failures
 from mpidist._distribute.context import get_replica_context, get_strategy
-from mpidist._errors import CheckpointError, ChecksumError, MirrorDivergenceError, format_ranks
+from mpidist._distribute.mirrors import diverged, host_bytes
 from mpidist._distribute.variables import DistributedVariable, VariableSynchronization
+from mpidist._errors import CheckpointError, ChecksumError, MirrorDivergenceError, format_ranks, on_rank
 
 if TYPE_CHECKING:
     from mpidist._distribute.strategy import MPIStrategy
@@ -74,13 +77,13 @@ _ERRORS: dict[str, type[BaseException]] = {
 }
 # Arrays larger than this are exchanged in rounds of one block per rank (MPI counts are 32-bit).
 _MAX_GATHER_BYTES = 1 << 30
-# Unit of the mirror check's checksums (and of its device-to-host copies).
-_FINGERPRINT_PIECE = 8 << 20
+# The kind a variable is saved as, by its synchronization (the manifest's words).
+_VARIABLE_KINDS = {VariableSynchronization.ON_WRITE: fmt.MIRRORED, VariableSynchronization.ON_READ: fmt.SYNC_ON_READ}
 
 
 def _kind(name: str, obj: Any) -> str:
     if isinstance(obj, DistributedVariable):
-        return fmt.SYNC_ON_READ if obj.synchronization is VariableSynchronization.ON_READ else fmt.MIRRORED
+        return _VARIABLE_KINDS[obj.synchronization]
     if isinstance(obj, np.ndarray):
         return fmt.ARRAY
     if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
@@ -90,55 +93,56 @@ def _kind(name: str, obj: Any) -> str:
 
 
 def _error_record(exc: BaseException) -> dict:
+    """What the other ranks need to raise the exception a failed rank raises: its type (the nearest of
+    :data:`_ERRORS`), and the file and entry of a :class:`ChecksumError`."""
     kind = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), CheckpointError.__name__)
-    return {"type": kind, "message": str(exc), "file": getattr(exc, "file", None),
-            "entry": getattr(exc, "entry", None)}
+    return {"type": kind, "file": getattr(exc, "file", None), "entry": getattr(exc, "entry", None)}
 
 
 class _Protocol:
-    """The collective steps of one save or restore, with "did every rank succeed?" agreement."""
+    """The collective steps of one save or restore; each step asks whether every rank succeeded.
+
+    The question is the communicator's :meth:`~mpidist.Communicator.outcome`:
+    when some rank failed, every rank raises the exception type of the lowest
+    failed rank, with a message naming every failed rank and what failed there.
+    """
 
     def __init__(self, strategy: "MPIStrategy", what: str) -> None:
         self.comm = strategy.communicator
         self.rank, self.size = strategy.rank, strategy.num_replicas_in_sync
         self.what = what
 
+    def check(self, failure: Optional[BaseException]) -> None:
+        """Collective: return when no rank failed (``failure`` is this rank's error); else raise on every rank."""
+        failures = self.comm.outcome(failure, "checkpoint")
+        if not failures:
+            return
+        first = min(failures)  # the same on every rank: it tells the others its exception type
+        mine = json.dumps(_error_record(failure)).encode() if self.rank == first and failure is not None else None
+        record = json.loads(self.comm.broadcast_bytes(mine, first, name="checkpoint error"))
+        cls = _ERRORS[record["type"]]
+        message = on_rank(self.rank, f"{self.what}: {describe_failures(failures)}")
+        exc = cls(message, file=record["file"], entry=record["entry"]) if cls is ChecksumError else cls(message)
+        raise exc from failure
+
     def gather(self, payload: Any, failure: Optional[BaseException]) -> list[Any]:
         """Collective: every rank's JSON ``payload``; if any rank failed, raise on every rank."""
-        message = {"error": _error_record(failure)} if failure is not None else {"payload": payload}
-        replies = [json.loads(b) for b in self.comm.allgather_bytes(json.dumps(message).encode(), name="checkpoint")]
-        self._raise([r.get("error") for r in replies], failure)
-        return [r["payload"] for r in replies]
+        self.check(failure)
+        return [json.loads(b) for b in self.comm.allgather_bytes(json.dumps(payload).encode(), name="checkpoint")]
 
     def share(self, payload: Any, failure: Optional[BaseException]) -> Any:
-        """Collective: rank 0's JSON ``payload`` on every rank; if rank 0 failed, raise on every rank."""
-        message = {"error": _error_record(failure)} if failure is not None else {"payload": payload}
-        data = json.dumps(message).encode() if self.rank == 0 else None
-        reply = json.loads(self.comm.broadcast_bytes(data, 0, name="checkpoint"))
-        self._raise([reply.get("error")], failure)
-        return reply["payload"]
-
-    def _raise(self, errors: list[Optional[dict]], failure: Optional[BaseException]) -> None:
-        failed = {r: e for r, e in enumerate(errors) if e}
-        if not failed:
-            return
-        groups: dict[str, list[int]] = {}
-        for r, e in failed.items():
-            groups.setdefault(e["message"], []).append(r)
-        detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}: {m}" for m, rs in groups.items())
-        first = failed[min(failed)]
-        cls = _ERRORS.get(first["type"], CheckpointError)
-        message = f"{self.what}: {detail}"
-        exc = cls(message, file=first["file"], entry=first["entry"]) if cls is ChecksumError else cls(message)
-        raise exc from failure
+        """Collective: rank 0's JSON ``payload`` on every rank; if any rank failed, raise on every rank."""
+        self.check(failure)
+        data = json.dumps(payload).encode() if self.rank == 0 else None
+        return json.loads(self.comm.broadcast_bytes(data, 0, name="checkpoint"))
 
     def same(self, descriptions: list[Any], what: str) -> None:
         """Raise ``ValueError`` (on every rank: all see the same list) unless all ranks described the same."""
         differ = [r for r, d in enumerate(descriptions) if d != descriptions[0]]
         if differ:
-            raise ValueError(f"{self.what}: ranks disagree on {what}: rank 0 has {descriptions[0]}, rank "
-                             f"{differ[0]} has {descriptions[differ[0]]}. Every rank must call it with the "
-                             "same items (names, kinds, shapes, dtypes) and options")
+            raise ValueError(f"{self.what}: ranks disagree on {what}: {on_rank(0, str(descriptions[0]))}; "
+                             f"{on_rank(differ[0], str(descriptions[differ[0]]))}. Every rank must call it with "
+                             "the same items (names, kinds, shapes, dtypes) and options")
 
 
 class Checkpoint:
@@ -162,8 +166,8 @@ class Checkpoint:
         if not items:
             raise ValueError("Checkpoint() needs at least one item, e.g. Checkpoint(weights=w, step=step)")
         self._items = {name: (_kind(name, obj), obj) for name, obj in sorted(items.items())}
-        strategies = {id(obj.strategy): obj.strategy for kind, obj in self._items.values()
-                      if kind in (fmt.MIRRORED, fmt.SYNC_ON_READ)}
+        strategies = {id(obj.strategy): obj.strategy for _, obj in self._items.values()
+                      if isinstance(obj, DistributedVariable)}
         if len(strategies) > 1:
             raise ValueError("Checkpoint items belong to different strategies; a checkpoint saves the variables "
                              "of one strategy: make one Checkpoint per strategy")
@@ -225,9 +229,9 @@ class Checkpoint:
             raise ValueError(f"Checkpoint.save: keep must be a positive int (how many saves to keep), got {keep!r}")
         block_bytes = _block_size(block_bytes, chunk_bytes)
         run = _Protocol(strategy, f"Checkpoint.save to {os.fspath(path)} failed, the saves already there are intact")
-        check = bool(check_mirrors) and run.size > 1
+        check = bool(check_mirrors) and run.size > 1  # one replica has no other components to compare
         entries = self._agree_on_entries(run, [os.fspath(path), keep, fsync, block_bytes, check], check)
-        values = self._values(strategy, rank0_mirrors=not check)
+        values = self._values(first_replica=not check)
         arrays = [e for e in entries if e["kind"] in fmt.ARRAY_KINDS]
         tmp, number = self._prepare(run, path, arrays)
         try:
@@ -270,8 +274,8 @@ class Checkpoint:
                       if kind == fmt.STATE}
             if check_mirrors:
                 threads = fmt.io_threads(run.comm.local_size)
-                mirrors = {name: _fingerprint(obj.read_value(), threads) for name, (kind, obj) in self._items.items()
-                           if kind == fmt.MIRRORED}
+                mirrors = {name: fingerprint for name, obj in self._variables()
+                           if (fingerprint := obj.policy.mirror_fingerprint(obj, threads)) is not None}
         except Exception as exc:  # reported to every rank by the agreement
             failure = exc
         replies = run.gather({"items": descriptions, "args": args, "states": states, "mirrors": mirrors}, failure)
@@ -306,8 +310,8 @@ class Checkpoint:
         ranges = fmt.share_ranges([e["nbytes"] for e in arrays], run.size, block_bytes,
                                   rank0_only=[e["kind"] == fmt.ARRAY for e in arrays])
         try:
-            self._check_visible(tmp, run.rank)
-            pieces = [fmt.Piece(e, lo, hi, _host_bytes(values[e["name"]], lo, hi))
+            self._check_visible(tmp)
+            pieces = [fmt.Piece(e, lo, hi, host_bytes(values[e["name"]], lo, hi))
                       for e, shares in zip(arrays, ranges) for lo, hi in [shares[run.rank]] if hi > lo]
             crcs = fmt.write_pieces(tmp, pieces, block_bytes, fmt.io_threads(run.comm.local_size), fsync)
         except Exception as exc:
@@ -355,24 +359,23 @@ class Checkpoint:
         except Exception as exc:
             failure = exc
         run.same(run.gather(descriptions, failure), "the checkpoint's items")
-        arrays = [(kind, obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
+        arrays = [(obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
         block_bytes = manifest[fmt.BLOCK_BYTES_KEY]
         node = run.comm.node()  # the ranks that share this node's memory: each byte is read once per node
         ranges = fmt.share_ranges([entry["nbytes"] for *_, entry in arrays], node.size, block_bytes)
         shares = self._read_shares(run, node.rank, directory, manifest, [entry for *_, entry in arrays], ranges)
         self._set_states(run, [(name, obj, entry) for name, kind, obj, entry in plan if kind == fmt.STATE])
         # nothing can fail any more: exchange the shares within each node and assign
-        for (kind, obj, entry), entry_ranges, share in zip(arrays, ranges, shares):
-            target = _direct_target(strategy, kind, obj)
+        for (obj, entry), entry_ranges, share in zip(arrays, ranges, shares):
+            target = _direct_target(obj)
             data = self._assemble(node, entry, entry_ranges, share, block_bytes, target)
             if target is not None:
                 continue  # the allgather wrote the value in place
             value = fmt.entry_array(entry, data)
-            if kind == fmt.ARRAY:
-                obj[...] = value
+            if isinstance(obj, DistributedVariable):
+                obj.policy.restore(obj, value)
             else:
-                with strategy.scope():
-                    obj.assign(value)
+                obj[...] = value
         return str(directory)
 
     @staticmethod
@@ -397,13 +400,13 @@ class Checkpoint:
         pieces = [fmt.Piece(entry, lo, hi) for entry, entry_ranges in zip(entries, ranges)
                   for lo, hi in [entry_ranges[share]]]
         try:
-            self._check_visible(directory, run.rank)
+            self._check_visible(directory)
             self._place(pieces)
             with Save.at(directory, manifest) as save:
                 save.read([p for p in pieces if p.hi > p.lo], fmt.io_threads(run.comm.local_size))
         except Exception as exc:
             failure = exc
-        run.gather(None, failure)
+        run.check(failure)
         return [p.buffer for p in pieces]
 
     def _place(self, pieces: list[fmt.Piece]) -> None:
@@ -435,7 +438,7 @@ class Checkpoint:
         except Exception as exc:
             failure = exc
         try:
-            run.gather(None, failure)
+            run.check(failure)
         except BaseException:
             self._roll_back(previous)
             raise
@@ -455,11 +458,11 @@ class Checkpoint:
         """What this rank holds: name, kind, shape, dtype, aggregation of each item. Local."""
         out = []
         for name, (kind, obj) in self._items.items():
-            description = {"name": name, "kind": kind}
+            description: dict[str, Any] = {"name": name, "kind": kind}
             if kind in fmt.ARRAY_KINDS:
                 dtype = fmt.check_dtype(obj.dtype, name)
                 description.update(shape=[int(s) for s in obj.shape], dtype=dtype.str)
-            if kind in (fmt.MIRRORED, fmt.SYNC_ON_READ):
+            if isinstance(obj, DistributedVariable):
                 description["aggregation"] = obj.aggregation.value
             out.append(description)
         return out
@@ -498,21 +501,16 @@ class Checkpoint:
             entries.append(entry)
         return entries
 
-    def _values(self, strategy: "MPIStrategy", rank0_mirrors: bool) -> dict[str, Any]:
-        """The value saved for each array item (collective: sync-on-read variables are reduced, and
-        with ``rank0_mirrors`` rank 0's mirrored components broadcast into copies)."""
-        values = {}
-        for name, (kind, obj) in self._items.items():
-            if kind == fmt.SYNC_ON_READ:
-                obj.warn_if_not_restorable()
-                values[name] = strategy.read_var(obj)
-            elif kind == fmt.MIRRORED and rank0_mirrors and strategy.num_replicas_in_sync > 1:
-                values[name] = strategy.communicator.broadcast(obj.read_value().copy(), 0,
-                                                               name=f"mirrored variable {name!r} (rank 0's value)")
-            elif kind == fmt.MIRRORED:
-                values[name] = obj.read_value()
-            elif kind == fmt.ARRAY:
-                values[name] = obj
+    def _variables(self) -> list[tuple[str, DistributedVariable]]:
+        """The variable items, by name. Local."""
+        return [(name, obj) for name, (_, obj) in self._items.items() if isinstance(obj, DistributedVariable)]
+
+    def _values(self, first_replica: bool) -> dict[str, Any]:
+        """The value saved for each array item: what its policy saves for a variable (collective: with
+        ``first_replica``, rank 0's mirrored components), the array itself for an array."""
+        values = {name: obj for name, (kind, obj) in self._items.items() if kind == fmt.ARRAY}
+        for name, var in self._variables():
+            values[name] = var.policy.save_value(var, first_replica)
         return values
 
     def _match(self, manifest: dict, directory: Path, size: int) -> list[tuple[str, str, Any, dict]]:
@@ -558,9 +556,10 @@ class Checkpoint:
                               f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
 
     @staticmethod
-    def _check_visible(directory: Path, rank: int) -> None:
+    def _check_visible(directory: Path) -> None:
+        """Local: ``CheckpointError`` unless this rank sees ``directory`` (the protocol names the rank)."""
         if not directory.is_dir():
-            raise CheckpointError(f"rank {rank} cannot see {directory}, which rank 0 can: the checkpoint directory "
+            raise CheckpointError(f"cannot see {directory}, which rank 0 can: the checkpoint directory "
                                   "must be on a file system shared by all ranks (not a node-local disk)")
 
     @staticmethod
@@ -568,7 +567,7 @@ class Checkpoint:
                   block_bytes: int, out: Optional[np.ndarray] = None) -> np.ndarray:
         """Collective over ``comm``: the entry's bytes on every rank, from each rank's share (contiguous, in
         rank order); into ``out`` (``uint8``, the entry's size) when given."""
-        if comm.size == 1 or entry["nbytes"] == 0:
+        if all(hi - lo == entry["nbytes"] for lo, hi in shares):  # every rank read it all (or it is empty)
             if out is None:
                 return mine
             out[...] = mine
@@ -609,26 +608,13 @@ def _block_size(block_bytes: Any, chunk_bytes: Any) -> int:
     return block_bytes
 
 
-def _direct_target(strategy: "MPIStrategy", kind: str, obj: Any) -> Optional[np.ndarray]:
-    """The bytes a restored value can be gathered into directly (a host array item, or a mirrored variable's
-    host component, C-contiguous and writable), as a flat ``uint8`` view; else ``None``. Local."""
-    if kind == fmt.ARRAY:
-        array = obj
-    elif kind == fmt.MIRRORED:
-        array = strategy.update(obj, lambda component: component)
-    else:
-        return None  # a sync-on-read value is split over the ranks by assign
+def _direct_target(obj: Any) -> Optional[np.ndarray]:
+    """The bytes a restored value can be gathered into directly (a host array item, or the host array a
+    variable's policy restores into, C-contiguous and writable), as a flat ``uint8`` view; else ``None``. Local."""
+    array = obj.policy.restore_target(obj) if isinstance(obj, DistributedVariable) else obj
     if not (isinstance(array, np.ndarray) and array.flags.c_contiguous and array.flags.writeable):
         return None
     return array.reshape(-1).view(np.uint8)
-
-
-def _fingerprint(value: Any, threads: int) -> int:
-    """CRC-32 of the CRC-32s of every piece of an array's bytes (pieces checksummed on ``threads``). Local."""
-    nbytes = int(value.nbytes)
-    tasks = [lambda lo=lo: zlib.crc32(_host_bytes(value, lo, min(lo + _FINGERPRINT_PIECE, nbytes)))
-             for lo in range(0, nbytes, _FINGERPRINT_PIECE)]
-    return zlib.crc32(np.array(fmt.run_tasks(tasks, threads), np.uint32).tobytes())
 
 
 def _check_mirrors(what: str, fingerprints: list[dict[str, int]]) -> None:
@@ -636,20 +622,12 @@ def _check_mirrors(what: str, fingerprints: list[dict[str, int]]) -> None:
 
     Local, but every rank passes the same (gathered) list, so all raise together.
     """
-    diverged = {name: tuple(r for r, mine in enumerate(fingerprints) if mine[name] != first)
-                for name, first in fingerprints[0].items()}
-    diverged = {name: ranks for name, ranks in diverged.items() if ranks}
-    if diverged:
+    names = list(fingerprints[0])
+    differ = diverged(names, [[mine[name] for name in names] for mine in fingerprints])
+    if differ:
         detail = "; ".join(f"mirrored variable {name!r} differs from rank 0's on rank{'s' if len(r) > 1 else ''} "
-                           f"{format_ranks(r)}" for name, r in sorted(diverged.items()))
+                           f"{format_ranks(r)}" for name, r in sorted(differ.items()))
         raise MirrorDivergenceError(
             f"{what}: {detail} (compared by CRC-32; nothing was written). Each rank must update a mirrored "
             "variable only through collective assign/assign_add/assign_sub calls; to save rank 0's value anyway, "
-            "pass check_mirrors=False", diverged)
-
-
-def _host_bytes(value: Any, lo: int, hi: int) -> np.ndarray:
-    """Bytes ``[lo, hi)`` of array ``value`` (NumPy or a device array) as a host ``uint8`` array. Local."""
-    itemsize = value.dtype.itemsize
-    part = to_host(value.reshape(-1)[lo // itemsize:hi // itemsize])
-    return np.ascontiguousarray(part).view(np.uint8)
+            "pass check_mirrors=False", differ)

@@ -184,7 +184,7 @@ def pread_into(fd: int, out: memoryview, offset: int) -> int:
     return done
 
 
-def run_tasks(tasks: list[Callable[[], Any]], threads: int) -> list[Any]:
+def run_tasks(tasks: Sequence[Callable[..., Any]], threads: int) -> list[Any]:
     """Run ``tasks`` (file I/O and CRCs, which release the GIL) on up to ``threads`` threads."""
     if threads <= 1 or len(tasks) <= 1:
         return [task() for task in tasks]

@@ -16,7 +16,7 @@ import json
 import math
 import re
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpidist._checkpoint.format import (ARRAY_KINDS, BLOCK_BYTES_KEY, BLOCK_CRCS_KEY, FORMAT, FORMAT_VERSION,
                                         MIRRORED, STATE, SYNC_ON_READ, block_count, canonical, check_dtype,
@@ -24,6 +24,9 @@ from mpidist._checkpoint.format import (ARRAY_KINDS, BLOCK_BYTES_KEY, BLOCK_CRCS
 from mpidist._distribute.variables import VariableAggregation
 from mpidist._errors import CheckpointError, ChecksumError
 from mpidist._version import __version__
+
+if TYPE_CHECKING:  # typing.TypeGuard is Python 3.10
+    from typing import TypeGuard
 
 __all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_HEADER_BYTES", "MAX_MANIFEST_BYTES", "check_manifest",
            "decode_manifest", "json_depth", "state_fits"]
@@ -169,7 +172,7 @@ def _need(record: dict, key: str, ok: Any) -> Any:
     return value
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -16,12 +16,13 @@ import numpy as np
 
 from mpidist._comm.backend import array_module, contiguous
 from mpidist._comm.communicator import Communicator, Handle
-from mpidist._comm.flat import FlatStore
+from mpidist._comm.flat_store import FlatStore
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._distribute.context import ReplicaContext, enter_context
 from mpidist._values.nest import flatten, map_structure, pack_sequence_as
 from mpidist._values.values import DistributedValues, PerReplica, regroup
 from mpidist._distribute.variables import DistributedVariable, VariableAggregation
+from mpidist._errors import on_rank
 from mpidist._options import Options
 
 if TYPE_CHECKING:
@@ -93,8 +94,8 @@ class StrategyExtended:
                 return self._op(reduce_op)
         if isinstance(reduce_op, VariableAggregation):
             if reduce_op is VariableAggregation.NONE:
-                raise ValueError(f"rank {self._comm.rank}: VariableAggregation.NONE does not say how to combine "
-                                 "the replicas' values; reduce with SUM, MEAN or ONLY_FIRST_REPLICA")
+                raise ValueError(on_rank(self._comm.rank, "VariableAggregation.NONE does not say how to combine "
+                                         "the replicas' values; reduce with SUM, MEAN or ONLY_FIRST_REPLICA"))
             return _AGGREGATION_OPS[reduce_op]
         return self._op(reduce_op)
 
@@ -102,7 +103,7 @@ class StrategyExtended:
         try:
             return ReduceOp.of(reduce_op)
         except ValueError as exc:
-            raise ValueError(f"rank {self._comm.rank}: {exc}") from None
+            raise ValueError(on_rank(self._comm.rank, str(exc))) from None
 
     def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None, out: Any = None) -> Any:
         """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`.
@@ -114,8 +115,8 @@ class StrategyExtended:
         try:
             op = self.reduce_op(reduce_op)
             if op is None and axis is not None:
-                raise ValueError(f"rank {self._comm.rank}: ONLY_FIRST_REPLICA takes replica 0's value as it "
-                                 f"is; it has no axis to reduce along (got axis={axis})")
+                raise ValueError(on_rank(self._comm.rank, "ONLY_FIRST_REPLICA takes replica 0's value as it "
+                                         f"is; it has no axis to reduce along (got axis={axis})"))
             leaves = flatten(value)
             if op is None:
                 xp = self._comm.backend.xp  # new arrays (also of NumPy scalars), which the broadcast overwrites
@@ -125,14 +126,14 @@ class StrategyExtended:
             else:
                 arrays = [self._axis_sum(op, self.local(x), axis) for x in leaves]
             if out is not None and (op is None or axis is not None):
-                raise ValueError(f"rank {self._comm.rank}: out= takes a SUM/MEAN/MIN/MAX/PROD reduction without axis")
+                raise ValueError(on_rank(self._comm.rank, "out= takes a SUM/MEAN/MIN/MAX/PROD reduction without axis"))
         except (TypeError, ValueError) as exc:
             self._comm.fail(exc, "reduce")
+        if op is None:  # (never with out=: refused above)
+            return pack_sequence_as(value, [self._comm.broadcast(a, root=0, name="reduce") for a in arrays])
         if out is not None:  # into the caller's arrays: nothing allocated
             return pack_sequence_as(value, self._comm.allreduce_many(
                 arrays, op, [f"reduce[{i}]" for i in range(len(arrays))], out=flatten(out)))
-        if op is None:
-            return pack_sequence_as(value, [self._comm.broadcast(a, root=0, name="reduce") for a in arrays])
         if axis is None and len(arrays) != 1:  # all leaves together: few MPI calls, one agreement record
             return pack_sequence_as(value, self._comm.allreduce_many(
                 arrays, op, [f"reduce[{i}]" for i in range(len(arrays))]))
@@ -186,19 +187,20 @@ class StrategyExtended:
         error: Optional[Exception] = None
         if len(variables) == 1:  # the per-update path: no lists
             v = variables[0]
+            component = v.component
             try:
-                value = v._coerce(values[0])
+                value = v.coerce(values[0])
             except (TypeError, ValueError) as exc:
-                error, value = exc, v._component  # not sent: the agreement fails first
-            self._comm.reduce_apply((value,), (v._component,), (_AGGREGATION_OPS[v._aggregation],), fn, (v._name,),
+                error, value = exc, component  # not sent: the agreement fails first
+            self._comm.reduce_apply((value,), (component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,),
                                     in_place, error)
         else:
             try:
-                values = tuple(v._coerce(x) for v, x in zip(variables, values))
+                values = tuple(v.coerce(x) for v, x in zip(variables, values))
             except (TypeError, ValueError) as exc:
                 error = exc
-                values = tuple(v._component for v in variables)
-            self._comm.reduce_apply(values, [v._component for v in variables],
+                values = tuple(v.component for v in variables)
+            self._comm.reduce_apply(values, [v.component for v in variables],
                                     [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
                                     [v.name for v in variables], in_place, error)
         if self._check_every:
@@ -206,11 +208,7 @@ class StrategyExtended:
 
     def _check_mirrored_when_due(self, variables: Sequence["DistributedVariable"]) -> None:
         """Collective: ``check_mirrored`` of the variables whose update count reached a multiple of the period."""
-        due = []
-        for v in variables:
-            v._updates += 1
-            if v._updates % self._check_every == 0:
-                due.append(v)
+        due = [v for v in variables if v.count_update() % self._check_every == 0]
         if due:
             with self._strategy.scope():
                 self._strategy.check_mirrored(due)

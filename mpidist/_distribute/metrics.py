@@ -26,6 +26,7 @@ from mpidist._comm.backend import to_host
 from mpidist._distribute.context import get_replica_context, require_strategy
 from mpidist._values.values import DistributedValues
 from mpidist._distribute.variables import Variable, VariableAggregation, VariableSynchronization
+from mpidist._errors import on_rank
 
 __all__ = ["Accuracy", "Mean", "Sum", "exact_decode", "exact_encode", "exact_sum"]
 
@@ -208,9 +209,9 @@ class Accuracy(Mean):
         if pred.ndim == true.ndim + 1:
             pred = pred.argmax(axis=-1)
         if pred.shape != true.shape:
-            raise ValueError(f"rank {self._strategy.rank}: {type(self).__name__}.update_state: y_pred of shape "
-                             f"{pred.shape} does not match y_true of shape {true.shape} (pass class scores "
-                             "with one extra last axis, or predictions of y_true's shape)")
+            raise ValueError(on_rank(self._strategy.rank, f"{type(self).__name__}.update_state: y_pred of shape "
+                                     f"{pred.shape} does not match y_true of shape {true.shape} (pass class scores "
+                                     "with one extra last axis, or predictions of y_true's shape)"))
         super().update_state((pred == true).astype(np.float64), sample_weight)
 
 

@@ -54,7 +54,7 @@ class Stopper:
     def __init__(self, communicator: Communicator) -> None:
         self._comm = communicator
         self._requested = False  # this rank asked
-        self._agreed = False  # every rank knows (explicit check, or a one-rank world)
+        self._agreed = False  # every rank knows (the agreement, an explicit check, or a rank alone asked)
         self._calls = 0  # should_stop() calls since the last explicit check
         self._handlers: dict[int, Any] = {}
         self.signal: Optional[int] = None  # the last signal that asked for a stop on this rank
@@ -73,6 +73,8 @@ class Stopper:
         """
         self._requested = True
         self._comm.agreement.stop_requested = True
+        if self._comm.size == 1:  # a rank alone has nobody to tell: its request is agreed at once
+            self._agreed = True
 
     def should_stop(self, check_every: int = DEFAULT_CHECK_EVERY) -> bool:
         """Whether every rank has agreed to stop: the same answer on every rank at the same call.
@@ -86,9 +88,7 @@ class Stopper:
         if self._agreed:
             return True
         agreement = self._comm.agreement
-        if self._comm.size == 1:
-            self._agreed = self._requested or agreement.stop_agreed
-        elif agreement.enabled:
+        if agreement.enabled:
             self._agreed = agreement.stop_agreed
         else:
             if not isinstance(check_every, int) or check_every < 1:

@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import zlib
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from mpidist._comm.abort import install_abort_on_error
-from mpidist._comm.backend import Backend, array_module, contiguous, to_host
+from mpidist._comm.backend import Backend, array_module, contiguous
 from mpidist._comm.communicator import Communicator, Handle, duplicate_world
-from mpidist._comm.flat import zeros_like_layout
+from mpidist._comm.flat_store import zeros_like_layout
 from mpidist._distribute.context import enter_context, get_replica_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
 from mpidist._values.nest import flatten, is_number, map_structure
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
 from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
-from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, VariableAggregation
-from mpidist._errors import MirrorDivergenceError, format_ranks
+from mpidist._distribute.mirrors import diverged, fingerprint
+from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, require_aggregation
+from mpidist._errors import MirrorDivergenceError, format_ranks, on_rank
+from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
+from mpidist._input.multistep import run_steps_on_dataset
 from mpidist._options import Options
 
 __all__ = ["MPIStrategy"]
@@ -47,7 +49,7 @@ class MPIStrategy:
             (seconds before a collective that some ranks never join raises
             :class:`~mpidist.CollectiveTimeoutError`), ``check_collectives``,
             ``device`` (``"auto"``, ``"cpu"``, ``"gpu"``), ``cuda_aware``,
-            ``pipeline_bytes``, ``check_finite``, ``abort_on_error`` (default
+            ``piece_bytes``, ``check_finite``, ``abort_on_error`` (default
             on: an uncaught exception on any rank aborts the whole job with a
             rank-tagged traceback), ``check_mirrored_every``, ``fusion_bytes``,
             ``hierarchical``, ``node_size``, ``flat_variables``. Each defaults to
@@ -222,34 +224,29 @@ class MPIStrategy:
 
     # -- input (the data layer does the work) ------------------------------------------------
     def distribute_dataset(self, dataset: Any, auto_shard: bool = True, **options: Any) -> Any:
-        """Shard ``dataset`` over the replicas: see :func:`mpidist._input.pipeline.distribute_dataset`.
+        """Shard ``dataset`` over the replicas: see :func:`mpidist._input.factories.distribute_dataset`.
 
         At step ``s`` rank ``r`` gets element ``s * N + r`` (every element
         without ``auto_shard``); an :class:`~mpidist.ArrayDataset` gives each
         rank ``global_batch_size / N`` rows per step. Every rank runs the same
         number of steps. Iterating is collective when the length is unknown.
         """
-        from mpidist._input.pipeline import distribute_dataset
-
         return distribute_dataset(self, dataset, auto_shard, **options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], **options: Any) -> Any:
         """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns in step.
 
-        See :func:`mpidist._input.pipeline.distribute_datasets_from_function`.
+        See :func:`mpidist._input.factories.distribute_datasets_from_function`.
         """
-        from mpidist._input.pipeline import distribute_datasets_from_function
-
         return distribute_datasets_from_function(self, dataset_fn, **options)
 
     def run_steps_on_dataset(self, fn: Callable[..., Any], iterator: Any, iterations: int) -> Any:
         """Run ``fn(ctx, inputs)`` for up to ``iterations`` steps; returns the ``MultiStepContext``.
 
-        See :func:`mpidist._input.pipeline.run_steps_on_dataset`.
+        See :func:`mpidist._input.multistep.run_steps_on_dataset`.
         """
-        from mpidist._input.pipeline import run_steps_on_dataset
-
-        return run_steps_on_dataset(self, fn, iterator, iterations)
+        return run_steps_on_dataset(fn, iterator, iterations, rank=self.rank, run=self.run, reduce=self.reduce,
+                                    check_reduce_op=self._extended.reduce_op)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """This rank's components of ``value`` as a tuple (a plain value gives ``(value,)``). Local."""
@@ -265,7 +262,7 @@ class MPIStrategy:
         """
         self._check_variable(var, "update")
         args, kwargs = select_replica_mirrored(self.rank, (args, kwargs))
-        return fn(var._component, *args, **kwargs)
+        return fn(var.component, *args, **kwargs)
 
     def batch_update(self, pairs: Iterable[tuple[MirroredVariable, Any]],
                      fn: Union[str, Callable[[Any, Any], Any]] = "assign_add", *,
@@ -307,12 +304,10 @@ class MPIStrategy:
         values = [x for _, x in pairs]
         if get_replica_context() is None:
             for v, x in zip(variables, values):
-                update(v._component, v._coerce(x))
+                update(v.component, v.coerce(x))
             return variables
         for v in variables:
-            if v.aggregation is VariableAggregation.NONE:
-                raise ValueError(f"rank {self.rank}: strategy.batch_update of {v.name!r} in replica context needs "
-                                 "an aggregation: create the variable with aggregation SUM, MEAN or ONLY_FIRST_REPLICA")
+            require_aggregation(v, "strategy.batch_update")
         self._extended.update_mirrored(variables, values, update, in_place)
         return variables
 
@@ -324,7 +319,7 @@ class MPIStrategy:
         same order. Compute gradients into them (``g[...] = ...``) and
         :meth:`batch_update` reduces them with no packing copy.
         """
-        return zeros_like_layout([v._component for v in variables], self.backend.xp)
+        return zeros_like_layout([v.component for v in variables], self.backend.xp)
 
     def read_var(self, var: DistributedVariable) -> Any:
         """The variable's cross-replica value (collective for sync-on-read variables)."""
@@ -360,23 +355,23 @@ class MPIStrategy:
             if not isinstance(v, MirroredVariable):
                 raise TypeError(f"check_mirrored expects mirrored variables, got {type(v).__name__} {v!r}")
             self._check_variable(v, "check_mirrored")
-        sums = np.array([[zlib.crc32(to_host(v._component).tobytes()) for v in flat]], dtype=np.int64)
-        table = self._communicator.allgather(sums, name="mirror checksums")
-        diverged = {v.name: tuple(int(r) for r in np.nonzero(table[:, i] != table[0, i])[0])
-                    for i, v in enumerate(flat) if (table[:, i] != table[0, i]).any()}
-        if not diverged:
+        sums = np.array([[fingerprint(v.component) for v in flat]], dtype=np.int64)
+        differ = diverged([v.name for v in flat], self._communicator.allgather(sums, name="mirror checksums"))
+        if not differ:
             return {}
         report = "; ".join(f"{name!r} differs on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}"
-                           for name, rs in diverged.items())
+                           for name, rs in differ.items())
         if not repair:
-            raise MirrorDivergenceError(
-                f"rank {self.rank}: mirrored variables diverged from rank 0: {report}. Replicas must apply "
+            raise MirrorDivergenceError(on_rank(
+                self.rank,
+                f"mirrored variables diverged from rank 0: {report}. Replicas must apply "
                 "the same updates (update mirrored variables only through assign*/strategy.update with the "
-                "same values on every rank); check_mirrored(..., repair=True) re-broadcasts rank 0's values.",
-                diverged)
+                "same values on every rank); check_mirrored(..., repair=True) re-broadcasts rank 0's values."),
+                differ)
         for v in flat:
-            if v.name in diverged:
-                self._extended.broadcast_from_first(v._component, name=v.name)
+            if v.name in differ:
+                self._extended.broadcast_from_first(v.component, name=v.name)
         if self.rank == 0:
-            warnings.warn(f"mpidist: repaired mirrored variables from rank 0: {report}", RuntimeWarning, stacklevel=2)
-        return diverged
+            warnings.warn(on_rank(None, f"repaired mirrored variables from rank 0: {report}"), RuntimeWarning,
+                          stacklevel=2)
+        return differ

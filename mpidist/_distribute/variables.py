@@ -2,15 +2,25 @@
 
 Each rank holds one component of a variable, an array of the strategy's array
 module (NumPy, or CuPy on a GPU), updated in place so that views of it stay
-valid. How updates and reads behave is decided by one policy object per
-synchronization mode:
+valid. What updates, reads, saves and restores do is decided by one policy
+object per synchronization mode (TF's ``OnWritePolicy`` / ``OnReadPolicy``):
 
-- :class:`_OnWritePolicy` (``MirroredVariable``): in replica context an
+- :class:`OnWritePolicy` (``MirroredVariable``): in replica context an
   update's argument is first reduced across replicas by the variable's
   aggregation, then the same update runs on every rank, so the components
   stay identical. In cross-replica context the argument is applied as given.
-- :class:`_OnReadPolicy` (``SyncOnReadVariable``): replicas update their own
+  A save stores the component once; a restore sets it on every rank.
+- :class:`OnReadPolicy` (``SyncOnReadVariable``): replicas update their own
   component freely; a read in cross-replica context reduces all components.
+  A save stores that reduced value; a restore assigns it in cross-replica
+  context (``SUM`` values split over the ranks present).
+
+The surface other modules use (the strategy, ``strategy.extended``,
+checkpoints): a variable's ``component`` (a plain attribute: the update path
+reads it for every update), ``name``, ``aggregation``, ``strategy``,
+:meth:`~DistributedVariable.coerce`, :meth:`~DistributedVariable.count_update`
+and its ``policy`` (a :class:`Policy`). They never read a variable's
+underscore attributes.
 
 Which operations are collective is said in each docstring.
 """
@@ -18,12 +28,14 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import numpy as np
 
 from mpidist._comm.backend import contiguous, to_host
 from mpidist._distribute.context import get_replica_context, in_cross_replica_context, require_strategy
+from mpidist._distribute.mirrors import fingerprint
+from mpidist._errors import on_rank
 from mpidist._values.values import DistributedValues, Mirrored, PerReplica, register_component
 
 if TYPE_CHECKING:
@@ -74,50 +86,102 @@ def _split_exactly(total: Any, parts: int, index: int, xp: Any) -> Any:
     return quotient + (remainder > index).astype(quotient.dtype)
 
 
-class _Policy:
-    """What updates and reads of a variable do; one instance per synchronization mode."""
+def require_aggregation(var: DistributedVariable, what: str) -> None:
+    """Local: raise ``ValueError`` unless ``var`` can combine replica-context updates (aggregation not ``NONE``).
+
+    ``what`` names the update (``"assign_add"``, ``"strategy.batch_update"``).
+    """
+    if var.aggregation is VariableAggregation.NONE:
+        raise ValueError(on_rank(
+            var.strategy.rank,
+            f"{what} of MirroredVariable {var.name!r} in replica context needs an aggregation to combine the "
+            "replicas' values: create it with Variable(..., aggregation=VariableAggregation.SUM, MEAN or "
+            "ONLY_FIRST_REPLICA), or update it in cross-replica context with strategy.update"))
+
+
+class Policy:
+    """What updates, reads, saves and restores of a variable do; one instance per synchronization mode.
+
+    The checkpoint asks a variable's policy what to save and how to restore
+    it; it never looks at the variable's kind.
+    """
 
     synchronization: VariableSynchronization
 
-    def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
+    def update(self, var: DistributedVariable, kind: str, value: Any) -> Any:
+        """Collective or local, as the variable classes say: ``kind`` (``"assign"``, ``"assign_add"``,
+        ``"assign_sub"``) of ``value``; returns ``var``."""
         raise NotImplementedError
 
-    def read(self, var: "DistributedVariable") -> Any:
+    def read(self, var: DistributedVariable) -> Any:
+        """Collective or local, as the variable classes say: the variable's value in the current context."""
+        raise NotImplementedError
+
+    def save_value(self, var: DistributedVariable, first_replica: bool) -> Any:
+        """Collective: the array a checkpoint stores for ``var`` (rank 0's component with ``first_replica``)."""
+        raise NotImplementedError
+
+    def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
+        """Local: what must be the same on every rank before a save (``None``: components may differ)."""
+        raise NotImplementedError
+
+    def restore_target(self, var: DistributedVariable) -> Any:
+        """Local: the array a restore may overwrite with the saved value directly, or ``None``."""
+        raise NotImplementedError
+
+    def restore(self, var: DistributedVariable, value: Any) -> None:
+        """Local: set ``var`` to a value its save stored (what a cross-replica ``assign`` does)."""
         raise NotImplementedError
 
 
-class _OnWritePolicy(_Policy):
+class OnWritePolicy(Policy):
+    """Mirrored variables: replica-context updates are reduced, then applied alike on every rank."""
+
     synchronization = VariableSynchronization.ON_WRITE
 
-    def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
+    def update(self, var: DistributedVariable, kind: str, value: Any) -> Any:
         if get_replica_context() is None:
             if in_cross_replica_context():
-                UPDATES[kind](var._component, var._coerce(value))
+                UPDATES[kind](var.component, var.coerce(value))
                 return var
             raise RuntimeError(f"{kind} of MirroredVariable {var.name!r} must run inside `with strategy.scope():` "
                                "(cross-replica) or inside strategy.run (replica context)")
-        if var.aggregation is VariableAggregation.NONE:
-            raise ValueError(
-                f"rank {var._strategy.rank}: {kind} of MirroredVariable {var.name!r} in replica context needs an "
-                "aggregation to combine the replicas' values: create it with "
-                "Variable(..., aggregation=VariableAggregation.SUM, MEAN or ONLY_FIRST_REPLICA), or update it "
-                "in cross-replica context with strategy.update"
-            )
+        require_aggregation(var, kind)
         # What merge_call would do, without wrapping and unwrapping the arguments: the update is
         # the hot path of training loops.
-        var._strategy.extended.update_mirrored((var,), (value,), UPDATES[kind])
+        var.strategy.extended.update_mirrored((var,), (value,), UPDATES[kind])
         return var
 
-    def read(self, var: "DistributedVariable") -> Any:
-        return var._component
+    def read(self, var: DistributedVariable) -> Any:
+        return var.component
+
+    def save_value(self, var: DistributedVariable, first_replica: bool) -> Any:
+        """Collective: the component; with ``first_replica`` rank 0's, broadcast (the variable is not changed)."""
+        if not first_replica:
+            return var.component
+        strategy = var.strategy
+        into = var.component if strategy.rank == 0 else strategy.backend.xp.empty_like(var.component)  # root: sent
+        strategy.extended.broadcast_from_first(into, name=f"mirrored variable {var.name!r} (rank 0's value)")
+        return into
+
+    def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
+        return fingerprint(var.component, threads)
+
+    def restore_target(self, var: DistributedVariable) -> Any:
+        return var.component
+
+    def restore(self, var: DistributedVariable, value: Any) -> None:
+        UPDATES["assign"](var.component, var.coerce(value))
 
 
-class _OnReadPolicy(_Policy):
+class OnReadPolicy(Policy):
+    """Sync-on-read variables: replicas update their own component; cross-replica reads reduce."""
+
     synchronization = VariableSynchronization.ON_READ
 
-    def update(self, var: "DistributedVariable", kind: str, value: Any) -> Any:
+    def update(self, var: DistributedVariable, kind: str, value: Any) -> Any:
         if get_replica_context() is not None:
-            UPDATES[kind](var._component, var._coerce(value))
+            UPDATES[kind](var.component, var.coerce(value))
             return var
         if not in_cross_replica_context():
             raise RuntimeError(f"{kind} of SyncOnReadVariable {var.name!r} must run inside strategy.run "
@@ -128,22 +192,42 @@ class _OnReadPolicy(_Policy):
                 "strategy.run), where each replica updates its own component; in cross-replica context "
                 "use assign(total), which splits the value over the replicas"
             )
-        value = var._coerce(value)
-        n, rank, xp = var._strategy.num_replicas_in_sync, var._strategy.rank, var._strategy.backend.xp
-        if var.aggregation is VariableAggregation.SUM:
-            value = _split_exactly(value, n, rank, xp) if _is_integer(var.dtype) else value / n
-        var._component[...] = value
+        self.restore(var, value)  # what a restore does: the total split over the replicas
         return var
 
-    def read(self, var: "DistributedVariable") -> Any:
+    def read(self, var: DistributedVariable) -> Any:
         if get_replica_context() is not None or not in_cross_replica_context():
-            return var._component
-        return var._strategy.extended.aggregate(var.aggregation, var._component, name=var.name)
+            return var.component
+        return self._aggregate(var)
+
+    def save_value(self, var: DistributedVariable, first_replica: bool) -> Any:
+        """Collective: the components reduced by the aggregation (``NONE``: summed, with a warning)."""
+        cast("SyncOnReadVariable", var).warn_if_not_restorable()  # this policy's variables are sync-on-read
+        return self._aggregate(var)
+
+    def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
+        return None
+
+    def restore_target(self, var: DistributedVariable) -> Any:
+        return None  # the value is split over the ranks
+
+    def restore(self, var: DistributedVariable, value: Any) -> None:
+        """Local: ``SUM`` values split over the replicas (exactly, for integers), other aggregations set as given."""
+        value = var.coerce(value)
+        strategy = var.strategy
+        if var.aggregation is VariableAggregation.SUM:
+            n, rank = strategy.num_replicas_in_sync, strategy.rank
+            value = _split_exactly(value, n, rank, strategy.backend.xp) if _is_integer(var.dtype) else value / n
+        var.component[...] = value
+
+    @staticmethod
+    def _aggregate(var: DistributedVariable) -> Any:
+        return var.strategy.extended.aggregate(var.aggregation, var.component, name=var.name)
 
 
 _POLICIES = {
-    VariableSynchronization.ON_WRITE: _OnWritePolicy(),
-    VariableSynchronization.ON_READ: _OnReadPolicy(),
+    VariableSynchronization.ON_WRITE: OnWritePolicy(),
+    VariableSynchronization.ON_READ: OnReadPolicy(),
 }
 
 
@@ -153,11 +237,13 @@ class DistributedVariable(DistributedValues):
     Not created directly: use :func:`Variable` inside ``strategy.scope()``.
     """
 
-    def __init__(self, strategy: "MPIStrategy", component: Any, name: str,
-                 aggregation: VariableAggregation, policy: _Policy) -> None:
+    def __init__(self, strategy: MPIStrategy, component: Any, name: str,
+                 aggregation: VariableAggregation, policy: Policy) -> None:
         super().__init__({strategy.rank: component})
+        # This rank's component, updated in place. A plain attribute, not a property: every
+        # update reads it (see the module docstring for the surface other modules use).
+        self.component = component
         self._strategy = strategy
-        self._component = component
         self._name = name
         self._aggregation = aggregation
         self._policy = policy
@@ -174,12 +260,12 @@ class DistributedVariable(DistributedValues):
     @property
     def dtype(self) -> np.dtype:
         """The components' dtype."""
-        return self._component.dtype
+        return self.component.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The components' shape."""
-        return tuple(self._component.shape)
+        return tuple(self.component.shape)
 
     @property
     def aggregation(self) -> VariableAggregation:
@@ -192,13 +278,21 @@ class DistributedVariable(DistributedValues):
         return self._policy.synchronization
 
     @property
-    def strategy(self) -> "MPIStrategy":
+    def strategy(self) -> MPIStrategy:
         """The strategy whose scope created the variable."""
         return self._strategy
 
+    @property
+    def policy(self) -> Policy:
+        """What updates, reads, saves and restores do (for the strategy and checkpoints).
+
+        :meta private:
+        """
+        return self._policy
+
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} "
-                f"aggregation={self._aggregation.name} rank={self._strategy.rank}: {self._component!r}>")
+                f"aggregation={self._aggregation.name} rank={self._strategy.rank}: {self.component!r}>")
 
     __str__ = __repr__
 
@@ -211,21 +305,27 @@ class DistributedVariable(DistributedValues):
         """A host NumPy copy of :meth:`read_value` (collective where ``read_value`` is)."""
         return np.array(to_host(self.read_value()))
 
-    def assign(self, value: Any) -> "DistributedVariable":
+    def assign(self, value: Any) -> DistributedVariable:
         """Set the value (collective for a mirrored variable in replica context)."""
         return self._policy.update(self, "assign", value)
 
-    def assign_add(self, value: Any) -> "DistributedVariable":
+    def assign_add(self, value: Any) -> DistributedVariable:
         """Add to the value (collective for a mirrored variable in replica context)."""
         return self._policy.update(self, "assign_add", value)
 
-    def assign_sub(self, value: Any) -> "DistributedVariable":
+    def assign_sub(self, value: Any) -> DistributedVariable:
         """Subtract from the value (collective for a mirrored variable in replica context)."""
         return self._policy.update(self, "assign_sub", value)
 
-    def _coerce(self, value: Any) -> Any:
-        """``value`` as an array of the component's module and dtype, shape-checked. Local."""
-        component = self._component
+    def coerce(self, value: Any) -> Any:
+        """Local: ``value`` as an array of the component's module, dtype and shape (broadcast), checked.
+
+        ``ValueError`` for a shape that does not broadcast, ``TypeError`` for
+        floating values into an integer variable.
+
+        :meta private:
+        """
+        component = self.component
         if (type(value) is type(component) and value.dtype == component.dtype and value.shape == component.shape
                 and value.flags.c_contiguous):
             return value  # the common case, kept short
@@ -237,15 +337,23 @@ class DistributedVariable(DistributedValues):
         except ValueError:
             fits = False
         if not fits:
-            raise ValueError(f"rank {self._strategy.rank}: cannot update variable {self._name!r} of shape "
-                             f"{self.shape} with a value of shape {tuple(array.shape)}")
+            raise ValueError(on_rank(self._strategy.rank, f"cannot update variable {self._name!r} of shape "
+                                     f"{self.shape} with a value of shape {tuple(array.shape)}"))
         if _is_integer(self.dtype) and not _is_integer(array.dtype):
-            raise TypeError(f"rank {self._strategy.rank}: variable {self._name!r} has integer dtype {self.dtype}; "
-                            f"updating it with {array.dtype} values would truncate them: cast explicitly")
+            raise TypeError(on_rank(self._strategy.rank, f"variable {self._name!r} has integer dtype {self.dtype}; "
+                                    f"updating it with {array.dtype} values would truncate them: cast explicitly"))
         array = array.astype(self.dtype, copy=False)
         if tuple(array.shape) != self.shape:
             array = self._strategy.backend.xp.broadcast_to(array, self.shape)
         return contiguous(array)
+
+    def count_update(self) -> int:
+        """Local: count one replica-context update; returns how many there have been (for periodic mirror checks).
+
+        :meta private:
+        """
+        self._updates += 1
+        return self._updates
 
 
 class MirroredVariable(DistributedVariable, Mirrored):
@@ -291,13 +399,13 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
 
     def _convertible(self) -> Any:
         if in_cross_replica_context():
-            raise TypeError(
-                f"rank {self._strategy.rank}: cannot convert SyncOnReadVariable {self._name!r} to an array in "
+            raise TypeError(on_rank(
+                self._strategy.rank,
+                f"cannot convert SyncOnReadVariable {self._name!r} to an array in "
                 "cross-replica context: its value there is the reduction of all replicas' components, which "
                 "needs every rank. Call v.read_value() or strategy.read_var(v) (collective) on every rank, or "
-                "convert inside strategy.run for this replica's component"
-            )
-        return self._component
+                "convert inside strategy.run for this replica's component"))
+        return self.component
 
     def warn_if_not_restorable(self) -> None:
         """Local: warn once that a saved ``NONE`` variable does not restore to the value it had.
@@ -308,10 +416,11 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
         """
         if self._aggregation is VariableAggregation.NONE and not self._warned_not_restorable:
             self._warned_not_restorable = True
-            warnings.warn(
-                f"rank {self._strategy.rank}: SyncOnReadVariable {self._name!r} has aggregation NONE: it is saved "
+            warnings.warn(on_rank(
+                self._strategy.rank,
+                f"SyncOnReadVariable {self._name!r} has aggregation NONE: it is saved "
                 "as the SUM of its components but restored by assigning that sum to every component, so it does "
-                "not round-trip; give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA", UserWarning, stacklevel=3)
+                "not round-trip; give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"), UserWarning, stacklevel=4)
 
 
 def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
@@ -343,8 +452,8 @@ def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
     if name is None:
         name = strategy.extended.default_name()
     if aggregation is VariableAggregation.MEAN and _is_integer(component.dtype):
-        raise ValueError(f"rank {strategy.rank}: variable {name!r} has integer dtype {component.dtype}: MEAN "
-                         "aggregation would truncate; use a floating dtype or SUM aggregation")
+        raise ValueError(on_rank(strategy.rank, f"variable {name!r} has integer dtype {component.dtype}: MEAN "
+                                 "aggregation would truncate; use a floating dtype or SUM aggregation"))
     strategy.extended.broadcast_from_first(component, name=name)
     if synchronization is VariableSynchronization.ON_READ:
         return SyncOnReadVariable(strategy, component, name, aggregation, _POLICIES[synchronization])
