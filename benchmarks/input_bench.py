@@ -26,7 +26,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._input.pipeline import ArrayDataset, distribute_dataset
+from mpidist._input.datasets import ArrayDataset
+from mpidist._input.factories import distribute_dataset
 from mpidist._input.prefetch import default_depth
 from mpidist._input.sharding import batch_rows, epoch_order
 from mpidist._distribute.strategy import MPIStrategy

@@ -8,14 +8,9 @@ of collective calls that every rank makes in the same order.
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._comm.communicator import Communicator, Handle
 from mpidist._distribute.context import ReplicaContext, get_replica_context, get_strategy, in_cross_replica_context
-from mpidist._input.pipeline import (
-    ArrayDataset,
-    DistributedDataset,
-    DistributedIterator,
-    FileDataset,
-    InputContext,
-    MultiStepContext,
-)
+from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
+from mpidist._input.distributed import DistributedDataset, DistributedIterator
+from mpidist._input.multistep import MultiStepContext
 from mpidist._errors import (
     CheckpointError,
     ChecksumError,

@@ -1,23 +1,27 @@
 """Datasets that know nothing of MPI: arrays read in global batches, files, the input context.
 
 :class:`ArrayDataset` and :class:`FileDataset` iterate serially (one
-replica) on their own; :func:`mpidist._input.pipeline.distribute_dataset` shares them
+replica) on their own; :func:`mpidist._input.factories.distribute_dataset` shares them
 out over the ranks with the arithmetic of :mod:`mpidist._input.sharding`.
 :class:`InputContext` is what a ``dataset_fn`` learns about its rank.
+:class:`RecordBatches` stacks records into batches, and :class:`Chunk` is
+the unit the input pipeline moves: several consecutive steps of one rank's
+input, prepared (gathered, copied to the device) and agreed on at once.
 Everything here is local.
 """
+
 from __future__ import annotations
 
 import functools
 import itertools
 import os
 import sys
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from mpidist._comm.backend import array_module, is_device_array
-from mpidist._values.nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
 from mpidist._input.sharding import (
     batch_plan,
     batch_rows,
@@ -28,15 +32,15 @@ from mpidist._input.sharding import (
     num_steps,
     per_replica_batch_size,
 )
+from mpidist._values.nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
 
-__all__ = ["ArrayDataset", "Chunk", "FileDataset", "InputContext", "RecordBatches"]
+__all__ = ["ArrayDataset", "Chunk", "FileDataset", "InputContext", "RecordBatches", "array_chunks"]
 
 
 class InputContext:
     """What ``dataset_fn`` of :func:`distribute_datasets_from_function` learns about its rank. Local."""
 
-    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
-                 num_replicas_in_sync: int = 1) -> None:
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1) -> None:
         check_rank(input_pipeline_id, num_input_pipelines)
         self._num_input_pipelines = num_input_pipelines
         self._input_pipeline_id = input_pipeline_id
@@ -66,8 +70,10 @@ class InputContext:
         return itertools.islice(iterable, self._input_pipeline_id, None, self._num_input_pipelines)
 
     def __repr__(self) -> str:
-        return (f"InputContext(num_input_pipelines={self._num_input_pipelines}, input_pipeline_id="
-                f"{self._input_pipeline_id}, num_replicas_in_sync={self._num_replicas_in_sync})")
+        return (
+            f"InputContext(num_input_pipelines={self._num_input_pipelines}, input_pipeline_id="
+            f"{self._input_pipeline_id}, num_replicas_in_sync={self._num_replicas_in_sync})"
+        )
 
 
 class ArrayDataset:
@@ -93,15 +99,25 @@ class ArrayDataset:
     Unshuffled batches may be read-only views of your arrays.
     """
 
-    def __init__(self, arrays: Any, global_batch_size: int, *, shuffle: bool = False, seed: int = 0,
-                 epoch: int = 0, remainder: str = "drop") -> None:
+    def __init__(
+        self,
+        arrays: Any,
+        global_batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        remainder: str = "drop",
+    ) -> None:
         leaves = flatten(arrays)
         paths: list[tuple[str, int]] = []
 
         def length(path: str, leaf: Any) -> None:
             if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or len(leaf.shape) == 0:
-                raise TypeError(f"ArrayDataset: {path or 'the array'} must be an array with at least one "
-                                f"dimension, got {type(leaf).__name__}; wrap lists with numpy.asarray")
+                raise TypeError(
+                    f"ArrayDataset: {path or 'the array'} must be an array with at least one "
+                    f"dimension, got {type(leaf).__name__}; wrap lists with numpy.asarray"
+                )
             paths.append((path or "the array", int(leaf.shape[0])))
 
         map_structure_with_path(length, arrays)
@@ -134,66 +150,69 @@ class ArrayDataset:
         return num_steps(self._n, self.global_batch_size, 0, self.remainder)
 
     def __iter__(self) -> Iterator[Any]:
-        for chunk in self._chunks(self.epoch, 0, 0, 1, True, 1, self.seed):
+        for chunk in array_chunks(self, self.epoch, 0, 0, 1, True, 1, self.seed):
             for element, _ in chunk.steps():
                 yield element
 
     def __repr__(self) -> str:
-        return (f"ArrayDataset({self._n} samples, global_batch_size={self.global_batch_size}, "
-                f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, remainder={self.remainder!r})")
+        return (
+            f"ArrayDataset({self._n} samples, global_batch_size={self.global_batch_size}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, epoch={self.epoch}, remainder={self.remainder!r})"
+        )
 
-    def _chunks(self, epoch: int, offset: int, rank: int, size: int, auto_shard: bool, steps: int,
-                seed: int) -> Iterator["Chunk"]:
-        """Rank's batches from global sample ``offset`` on, ``steps`` per chunk (one gather per leaf)."""
-        n, batch = self._n, self.global_batch_size
-        order = epoch_order(n, epoch, seed) if self.shuffle else None
-        width = (batch // size if auto_shard else batch) if self.remainder == "mask" else None
-        plan = batch_plan(n, batch, rank, size, offset=offset, remainder=self.remainder, auto_shard=auto_shard)
-        reuse = _Reuse(len(self._leaves))
-        while True:
-            block = [step for step in itertools.islice(plan, steps)] if steps > 1 else [next(plan, None)]
-            if not block or block[0] is None:
-                return
-            yield self._gather(order, block, width, reuse)
-
-    def _gather(self, order: Optional[np.ndarray], block: list[tuple[int, int, int]],
-                width: Optional[int], reuse: "_Reuse") -> "Chunk":
-        """One array per leaf holding the rows of every step of ``block`` (``(lo, hi, advance)`` each)."""
-        if width is None and len(block) == 1:  # the common case, kept short
-            lo, hi, advance = block[0]
+    def _gather(
+        self, order: Optional[np.ndarray], planned: list[tuple[int, int, int]], width: Optional[int], reuse: _Reuse
+    ) -> Chunk:
+        """The chunk of the ``planned`` steps (``(lo, hi, advance)`` each): one array per leaf holding their rows."""
+        if width is None and len(planned) == 1:  # the common case, kept short
+            lo, hi, advance = planned[0]
             if order is None:
                 leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
             else:
                 index = order[lo:hi]
                 leaves = [reuse.take(i, leaf, index) for i, leaf in enumerate(self._leaves)]
             return Chunk([advance], pack=self._pack, leaves=leaves, bounds=[(0, hi - lo)])
-        advances = [advance for _, _, advance in block]
-        if width is None and (len(block) == 1 or all(a[1] == b[0] for a, b in zip(block, block[1:]))):
-            lo, hi = block[0][0], block[-1][1]  # one run of positions
+        advances = [advance for _, _, advance in planned]
+        if width is None and (len(planned) == 1 or all(a[1] == b[0] for a, b in zip(planned, planned[1:]))):
+            lo, hi = planned[0][0], planned[-1][1]  # consecutive positions: one slice
             if order is None:
                 leaves = [_read_only(leaf[lo:hi]) for leaf in self._leaves]
             else:
                 leaves = [reuse.take(i, leaf, order[lo:hi]) for i, leaf in enumerate(self._leaves)]
-            edges = list(itertools.accumulate([0] + [b - a for a, b, _ in block]))
+            edges = list(itertools.accumulate([0] + [b - a for a, b, _ in planned]))
             return Chunk(advances, pack=self._pack, leaves=leaves, bounds=list(zip(edges, edges[1:])))
-        pieces, masks, bounds, start = [], [], [], 0
-        for lo, hi, _ in block:
+        indices, masks, bounds, start = [], [], [], 0
+        for lo, hi, _ in planned:
             rows = hi - lo
             pad = 0 if width is None else width - rows
-            pieces.append(np.arange(lo, hi))
+            indices.append(np.arange(lo, hi))
             if pad:
-                pieces.append(np.arange(pad) % self._n)
+                indices.append(np.arange(pad) % self._n)
             if width is not None:
                 masks.append(np.arange(width) < rows)
             bounds.append((start, start + rows + pad))
             start += rows + pad
-        index = np.concatenate(pieces)
+        index = np.concatenate(indices)
         if order is not None:
             index = order[index]
         leaves = [_take(leaf, index) for leaf in self._leaves]
         if width is None:
             return Chunk(advances, pack=self._pack, leaves=leaves, bounds=bounds)
         return Chunk(advances, pack=self._pack_masked, leaves=leaves + [np.concatenate(masks)], bounds=bounds)
+
+
+def array_chunks(
+    dataset: ArrayDataset, epoch: int, offset: int, rank: int, size: int, auto_shard: bool, steps: int, seed: int
+) -> Iterator[Chunk]:
+    """Rank's batches of ``dataset`` from global sample ``offset`` on, ``steps`` per chunk (one gather per leaf)."""
+    n, batch = dataset.num_samples, dataset.global_batch_size
+    order = epoch_order(n, epoch, seed) if dataset.shuffle else None
+    width = (batch // size if auto_shard else batch) if dataset.remainder == "mask" else None
+    plan = batch_plan(n, batch, rank, size, offset=offset, remainder=dataset.remainder, auto_shard=auto_shard)
+    reuse = _Reuse(len(dataset._leaves))
+    for first in plan:
+        planned = [first, *itertools.islice(plan, steps - 1)] if steps > 1 else [first]
+        yield dataset._gather(order, planned, width, reuse)
 
 
 def _masked(pack: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
@@ -292,9 +311,17 @@ class FileDataset:
         epoch: the epoch the next ``iter()`` reads; see :meth:`set_epoch`.
     """
 
-    def __init__(self, files: Sequence[Union[str, "os.PathLike[str]"]], reader: Callable[[str], Iterable[Any]], *,
-                 global_batch_size: Optional[int] = None, remainder: Optional[str] = None,
-                 shuffle: bool = False, seed: int = 0, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        files: Sequence[Union[str, os.PathLike[str]]],
+        reader: Callable[[str], Iterable[Any]],
+        *,
+        global_batch_size: Optional[int] = None,
+        remainder: Optional[str] = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+    ) -> None:
         if isinstance(files, (str, bytes, os.PathLike)):
             raise TypeError(f"FileDataset needs a list of paths, got the single path {files!r}: pass [path]")
         self.files = [os.fspath(f) for f in files]
@@ -303,8 +330,9 @@ class FileDataset:
         if global_batch_size is None and remainder is not None:
             raise ValueError(f"FileDataset: remainder={remainder!r} applies to batches; pass global_batch_size too")
         self.reader = reader
-        self.global_batch_size = None if global_batch_size is None else check_count(
-            "global_batch_size", global_batch_size, 1)
+        self.global_batch_size = (
+            None if global_batch_size is None else check_count("global_batch_size", global_batch_size, 1)
+        )
         self.remainder = None if global_batch_size is None else remainder or "partial"
         if self.remainder is not None:
             check_remainder(self.remainder)
@@ -328,16 +356,22 @@ class FileDataset:
 
     def __iter__(self) -> Iterator[Any]:
         records = self.read(self.epoch_files())
-        if self.global_batch_size is None:
+        batch, remainder = self.global_batch_size, self.remainder
+        if batch is None or remainder is None:  # both or neither
             return records
-        batches = RecordBatches(self.global_batch_size, 0, 1, self.remainder, self.global_batch_size)
+        batches = RecordBatches(batch, 0, 1, remainder, batch)
         return (element for chunk in batches.chunks(records, 1) for element, _ in chunk.steps())
 
     def __repr__(self) -> str:
-        batching = ("" if self.global_batch_size is None else
-                    f", global_batch_size={self.global_batch_size}, remainder={self.remainder!r}")
-        return (f"FileDataset({len(self.files)} files{batching}, shuffle={self.shuffle}, seed={self.seed}, "
-                f"epoch={self.epoch})")
+        batching = (
+            ""
+            if self.global_batch_size is None
+            else f", global_batch_size={self.global_batch_size}, remainder={self.remainder!r}"
+        )
+        return (
+            f"FileDataset({len(self.files)} files{batching}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"epoch={self.epoch})"
+        )
 
 
 class RecordBatches:
@@ -358,24 +392,24 @@ class RecordBatches:
         self.width = width if remainder == "mask" else None
         self.template: Any = None
 
-    def chunks(self, records: Iterator[Any], steps: int) -> Iterator["Chunk"]:
+    def chunks(self, records: Iterator[Any], steps: int) -> Iterator[Chunk]:
         """Chunks of up to ``steps`` batches read from ``records``; the last chunk has fewer."""
         while True:
             shares, advances = [], []
             for _ in range(steps):
-                block = list(itertools.islice(records, self.group))
-                if not block or (len(block) < self.group and self.remainder == "drop"):
+                group = list(itertools.islice(records, self.group))  # the records of one step, over all ranks
+                if not group or (len(group) < self.group and self.remainder == "drop"):
                     break
-                self.template = block[0]
-                lo, hi = batch_rows(0, len(block), self.group, self.pick, self.parts)
-                shares.append((block[lo:hi], block))
-                advances.append(len(block))
+                self.template = group[0]
+                lo, hi = batch_rows(0, len(group), self.group, self.pick, self.parts)
+                shares.append((group[lo:hi], group))
+                advances.append(len(group))
             if shares:
                 yield self._stack(shares, advances)
             if len(shares) < steps:
                 return
 
-    def filler(self, steps: int) -> "Chunk":
+    def filler(self, steps: int) -> Chunk:
         """``steps`` batches without a record: empty (``"partial"``) or all padding (``"mask"``).
 
         ``ValueError`` when no record has been read yet (their shapes are unknown).
@@ -384,9 +418,11 @@ class RecordBatches:
             raise ValueError("no record has been read, so the shapes of an empty batch are unknown")
         return self._stack([([], [self.template])] * steps, [0] * steps)
 
-    def _stack(self, shares: list[tuple[list[Any], list[Any]]], advances: list[int]) -> "Chunk":
+    def _stack(self, shares: list[tuple[list[Any], list[Any]]], advances: list[int]) -> Chunk:
         """One array per leaf holding the batches of every step: ``(share, pool)`` each, padded from ``pool``."""
-        rows, masks, bounds = [], [], []
+        rows: list[Any] = []
+        masks: list[bool] = []
+        bounds: list[tuple[int, int]] = []
         for share, pool in shares:
             pad = [] if self.width is None else [pool[i % len(pool)] for i in range(self.width - len(share))]
             bounds.append((len(rows), len(rows) + len(share) + len(pad)))
@@ -403,35 +439,48 @@ class RecordBatches:
 
 
 class Chunk:
-    """Several consecutive steps of one rank's input, each with its global ``advance``.
+    """Several consecutive steps of one rank's input, prepared and agreed on at once.
 
-    Either ``elements`` (one nest per step), or an array batch: ``leaves``
-    holding the rows of all steps, step ``i`` being rows ``bounds[i]``,
-    turned into the dataset's structure by ``pack``.
+    A distributed dataset's chunks hold ``steps_per_transfer`` steps (the
+    last of an epoch may hold fewer), each with its global ``advance``: how
+    far the step moves the position. Either ``elements`` (one nest per
+    step), or an array batch: ``leaves`` holding the rows of all steps,
+    step ``i`` being rows ``bounds[i]``, turned into the dataset's
+    structure by ``pack``.
     """
 
     __slots__ = ("advances", "elements", "pack", "leaves", "bounds")
 
-    def __init__(self, advances: list[int], *, elements: Optional[list[Any]] = None,
-                 pack: Optional[Callable[[Sequence[Any]], Any]] = None, leaves: Optional[list[Any]] = None,
-                 bounds: Optional[list[tuple[int, int]]] = None) -> None:
+    def __init__(
+        self,
+        advances: list[int],
+        *,
+        elements: Optional[list[Any]] = None,
+        pack: Optional[Callable[[Sequence[Any]], Any]] = None,
+        leaves: Optional[list[Any]] = None,
+        bounds: Optional[list[tuple[int, int]]] = None,
+    ) -> None:
         self.advances = advances
         self.elements = elements
         self.pack = pack
-        self.leaves = leaves
-        self.bounds = bounds
+        self.leaves: list[Any] = [] if leaves is None else leaves
+        self.bounds: list[tuple[int, int]] = [] if bounds is None else bounds
 
     def __len__(self) -> int:
         return len(self.advances)
 
-    def map_leaves(self, fn: Callable[[Any], Any]) -> "Chunk":
+    def map_leaves(self, fn: Callable[[Any], Any]) -> Chunk:
+        """The same steps with ``fn`` applied to every leaf (of every element, or of the batch arrays)."""
         if self.elements is not None:
             return Chunk(self.advances, elements=[map_structure(fn, e) for e in self.elements])
         return Chunk(self.advances, pack=self.pack, leaves=[fn(x) for x in self.leaves], bounds=self.bounds)
 
     def steps(self) -> list[tuple[Any, int]]:
+        """``(element, advance)`` of each step, in order."""
         if self.elements is not None:
             return list(zip(self.elements, self.advances))
+        pack = self.pack
+        assert pack is not None, "a chunk holds either elements or leaves with their pack"
         if len(self.bounds) == 1:
-            return [(self.pack(self.leaves), self.advances[0])]
-        return [(self.pack([x[a:b] for x in self.leaves]), adv) for (a, b), adv in zip(self.bounds, self.advances)]
+            return [(pack(self.leaves), self.advances[0])]
+        return [(pack([x[a:b] for x in self.leaves]), adv) for (a, b), adv in zip(self.bounds, self.advances)]

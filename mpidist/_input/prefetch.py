@@ -11,13 +11,15 @@ arrays stay as they are.
 Everything here is local: the thread runs the source's code and never talks
 to other ranks.
 """
+
 from __future__ import annotations
 
 import os
 import queue
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -57,7 +59,7 @@ class Converter:
 
     def finish(self, leaf: Any) -> Any:
         """Consumer side: the device array of a started copy (the current stream waits for it)."""
-        if isinstance(leaf, _Staged):
+        if isinstance(leaf, _Staged) and self._stager is not None:  # only a stager stages
             return self._stager.finish(leaf.token)
         if is_number(leaf):
             return self._backend.asarray(leaf)
@@ -83,10 +85,7 @@ class _Failure:
         self.error = error
 
 
-_END = object()
-
-
-def _acquire(slots: "queue.SimpleQueue[None]", stop: threading.Event) -> bool:
+def _acquire(slots: queue.SimpleQueue[None], stop: threading.Event) -> bool:
     """Wait for a free prefetch slot; ``False`` once the consumer has stopped."""
     while not stop.is_set():
         try:
@@ -97,14 +96,22 @@ def _acquire(slots: "queue.SimpleQueue[None]", stop: threading.Event) -> bool:
     return False
 
 
-def _produce(chunks: Iterator[Chunk], prepare: Optional[Callable[[Any], Any]], items: "queue.SimpleQueue[Any]",
-             slots: "queue.SimpleQueue[None]", stop: threading.Event) -> None:
+_Item = Union[Chunk, _Failure, None]  # what the thread hands over: a prepared chunk, the source's error, or the end
+
+
+def _produce(
+    chunks: Iterator[Chunk],
+    prepare: Optional[Callable[[Any], Any]],
+    items: queue.SimpleQueue[_Item],
+    slots: queue.SimpleQueue[None],
+    stop: threading.Event,
+) -> None:
     """Prefetch thread: prepare a chunk per free slot until the source ends, fails, or the consumer stops."""
     try:
         while _acquire(slots, stop):
-            chunk = next(chunks, _END)
-            if chunk is _END:
-                items.put(_END)
+            chunk = next(chunks, None)
+            if chunk is None:
+                items.put(None)
                 return
             items.put(chunk if prepare is None else chunk.map_leaves(prepare))
     except BaseException as error:  # handed to the consumer, which re-raises it
@@ -142,14 +149,17 @@ class Prefetcher:
         self._chunks, self._prepare, self._ended = chunks, prepare, False
         self._thread: Optional[threading.Thread] = None
         if depth > 0:
-            self._items: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-            self._slots: "queue.SimpleQueue[None]" = queue.SimpleQueue()
+            self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+            self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()
             for _ in range(depth):
                 self._slots.put(None)
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=_produce,
-                                            args=(chunks, prepare, self._items, self._slots, self._stop),
-                                            name="mpidist-prefetch", daemon=True)
+            self._thread = threading.Thread(
+                target=_produce,
+                args=(chunks, prepare, self._items, self._slots, self._stop),
+                name="mpidist-prefetch",
+                daemon=True,
+            )
             self._thread.start()
             weakref.finalize(self, self._stop.set)
 
@@ -157,14 +167,15 @@ class Prefetcher:
         """The next chunk, ``None`` at the end; re-raises the source's exception."""
         if self._ended:
             return None
+        item: _Item
         if self._thread is None:
-            item = next(self._chunks, _END)
-            if item is not _END and self._prepare is not None:
+            item = next(self._chunks, None)
+            if item is not None and self._prepare is not None:
                 item = item.map_leaves(self._prepare)
         else:
             item = self._items.get()
             self._slots.put(None)
-        if item is _END:
+        if item is None:
             self._ended = True
             return None
         if isinstance(item, _Failure):

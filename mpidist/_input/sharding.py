@@ -2,20 +2,24 @@
 
 Everything here depends on its arguments alone, ``(num_samples, rank, size,
 ...)``: no MPI, no state, the same answer on every rank. The input pipeline
-(:mod:`mpidist._input.pipeline`) is built on these functions, and they are tested
-serially over many ``(rank, size)`` pairs.
+(:mod:`mpidist._input.datasets`, :mod:`mpidist._input.sources`) is built on
+these functions, and they are tested serially over many ``(rank, size)`` pairs.
 
 Vocabulary: an epoch visits the samples in an *order* (:func:`epoch_order`);
 a *position* is an index into that order; the *offset* is the number of
 positions consumed so far, over all ranks, so it means the same at any
 number of ranks.
 """
+
 from __future__ import annotations
 
 import numbers
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
+
+from mpidist._errors import on_rank
 
 __all__ = [
     "REMAINDERS",
@@ -48,8 +52,8 @@ def check_count(name: str, value: Any, minimum: int = 0) -> int:
 def check_rank(rank: int, size: int) -> None:
     """``ValueError`` unless ``0 <= rank < size`` (and ``size >= 1``)."""
     check_count("size", size, 1)
-    if not 0 <= check_count("rank", rank) < size:
-        raise ValueError(f"rank {rank} is not a rank of {size} (expected 0 <= rank < {size})")
+    if check_count("rank", rank) >= size:
+        raise ValueError(f"rank must be < {size} (the number of ranks), got {rank}")
 
 
 def _split(count: int, rank: int, size: int) -> tuple[int, int]:
@@ -63,11 +67,13 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int, rank: Opti
     batch = check_count("global_batch_size", global_batch_size, 1)
     replicas = check_count("num_replicas", num_replicas, 1)
     if batch % replicas:
-        where = "" if rank is None else f"rank {rank}: "
         lower, upper = batch - batch % replicas, batch + replicas - batch % replicas
         hint = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ValueError(f"{where}global batch size {batch} is not divisible by the {replicas} replicas; "
-                         f"use a multiple of {replicas} (e.g. {hint})")
+        message = (
+            f"global batch size {batch} is not divisible by the {replicas} replicas; "
+            f"use a multiple of {replicas} (e.g. {hint})"
+        )
+        raise ValueError(message if rank is None else on_rank(rank, message))
     return batch // replicas
 
 
@@ -91,8 +97,9 @@ def _rows(offset: int, num_samples: int, batch: int, rank: int, size: int, auto_
     return offset + lo, offset + hi
 
 
-def batch_rows(offset: int, num_samples: int, global_batch_size: int, rank: int, size: int,
-               auto_shard: bool = True) -> tuple[int, int]:
+def batch_rows(
+    offset: int, num_samples: int, global_batch_size: int, rank: int, size: int, auto_shard: bool = True
+) -> tuple[int, int]:
     """Positions ``[lo, hi)`` (in the epoch's sample order) rank reads at the step starting at ``offset``.
 
     The step holds ``min(B, num_samples - offset)`` samples; with
@@ -100,12 +107,26 @@ def batch_rows(offset: int, num_samples: int, global_batch_size: int, rank: int,
     (``B / N`` each for a full batch), without it every rank reads all of them.
     """
     check_rank(rank, size)
-    return _rows(check_count("offset", offset), check_count("num_samples", num_samples),
-                 check_count("global_batch_size", global_batch_size, 1), rank, size, auto_shard)
+    return _rows(
+        check_count("offset", offset),
+        check_count("num_samples", num_samples),
+        check_count("global_batch_size", global_batch_size, 1),
+        rank,
+        size,
+        auto_shard,
+    )
 
 
-def batch_plan(num_samples: int, global_batch_size: int, rank: int, size: int, *, offset: int = 0,
-               remainder: str = "drop", auto_shard: bool = True) -> Iterator[tuple[int, int, int]]:
+def batch_plan(
+    num_samples: int,
+    global_batch_size: int,
+    rank: int,
+    size: int,
+    *,
+    offset: int = 0,
+    remainder: str = "drop",
+    auto_shard: bool = True,
+) -> Iterator[tuple[int, int, int]]:
     """``(lo, hi, advance)`` for each step left from global sample ``offset``: :func:`batch_rows` and
     the number of samples the step consumes over all ranks (the offset moves by ``advance``).
 
@@ -116,8 +137,9 @@ def batch_plan(num_samples: int, global_batch_size: int, rank: int, size: int, *
     return _plan(num_samples, global_batch_size, rank, size, offset, steps, auto_shard)
 
 
-def _plan(num_samples: int, batch: int, rank: int, size: int, offset: int, steps: int,
-          auto_shard: bool) -> Iterator[tuple[int, int, int]]:
+def _plan(
+    num_samples: int, batch: int, rank: int, size: int, offset: int, steps: int, auto_shard: bool
+) -> Iterator[tuple[int, int, int]]:
     for _ in range(steps):
         lo, hi = _rows(offset, num_samples, batch, rank, size, auto_shard)
         advance = min(batch, num_samples - offset)
@@ -147,8 +169,10 @@ def choose_shard_policy(num_files: int, size: int, policy: str = "auto") -> str:
     if policy == "auto":
         return "file" if num_files >= size else "element"
     if policy == "file" and num_files < size:
-        raise ValueError(f"shard_policy='file' needs at least one file per rank: {num_files} files for {size} "
-                         "ranks; use shard_policy='element' (or 'auto'), or split the data into more files")
+        raise ValueError(
+            f"shard_policy='file' needs at least one file per rank: {num_files} files for {size} "
+            "ranks; use shard_policy='element' (or 'auto'), or split the data into more files"
+        )
     return policy
 
 

@@ -1,0 +1,400 @@
+"""Distributed datasets and their iterators: every rank takes one step of its input per ``next()``.
+
+A :class:`DistributedDataset` holds a source (:mod:`mpidist._input.sources`)
+and the :class:`InputHost` it distributes over (rank, number of replicas,
+backend, communicator: what :class:`~mpidist.MPIStrategy` provides). Its
+:class:`DistributedIterator` reads the source in chunks of
+``steps_per_transfer`` steps through a :class:`~mpidist._input.prefetch.Prefetcher`.
+When a rank cannot know the number of steps alone, the ranks agree on each
+chunk: did every rank's input succeed (``Communicator.outcome``: else the
+failed ranks raise their errors and the others a ``RuntimeError`` naming
+them), and how many steps they all take (one small allreduce). The
+iterator's position (``get_state()``) keeps the format ``"mpidist.data/1"``.
+This module never calls MPI itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from mpidist._comm.backend import Backend
+from mpidist._comm.communicator import Communicator, describe_failures
+from mpidist._comm.reduce_op import ReduceOp
+from mpidist._errors import on_rank
+from mpidist._input.datasets import Chunk
+from mpidist._input.prefetch import Converter, Prefetcher, default_depth, wrap
+from mpidist._input.sharding import check_count
+
+__all__ = ["STATE_FORMAT", "DistributedDataset", "DistributedIterator", "InputHost"]
+
+STATE_FORMAT = "mpidist.data/1"
+
+
+class InputHost(Protocol):
+    """What the input layer needs of the strategy it distributes data over (:class:`~mpidist.MPIStrategy`)."""
+
+    @property
+    def rank(self) -> int:
+        """This rank's replica id."""
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas: the communicator's size."""
+
+    @property
+    def backend(self) -> Backend:
+        """Where this rank's arrays live: the elements arrive there."""
+
+    @property
+    def communicator(self) -> Communicator:
+        """The communicator of the iterators' collectives."""
+
+
+class DistributedDataset:
+    """A dataset whose ``iter()`` gives each rank its share of every step.
+
+    Created by :func:`~mpidist._input.factories.distribute_dataset` or
+    :func:`~mpidist._input.factories.distribute_datasets_from_function`. Each
+    ``iter()`` starts the current epoch over (:meth:`set_epoch`). Creating
+    iterators is local; iterating is collective where the number of steps is
+    not known in advance (see :mod:`mpidist._input.distributed`).
+
+    Attributes:
+        shard_policy: how the data is shared out: ``"batch"`` (array rows of
+            each global batch), ``"element"``, ``"file"``, ``"function"``
+            (your ``dataset_fn``) or ``"off"`` (every rank reads everything).
+        prefetch: chunks prepared ahead in a background thread (0: none; chosen by
+            :func:`~mpidist._input.prefetch.default_depth` unless given).
+        steps_per_transfer: steps per chunk: gathered, copied to the device and agreed on together.
+    """
+
+    def __init__(
+        self,
+        host: InputHost,
+        source: Any,
+        *,
+        shard_policy: str,
+        prefetch: Optional[int],
+        steps_per_transfer: int,
+        epoch: int,
+        drop_remainder: Optional[bool] = None,
+    ) -> None:
+        self._host, self._source = host, source
+        self.shard_policy = shard_policy
+        self._warn_drops = source.warn_drops and not drop_remainder
+        communicator = host.communicator
+        self.prefetch = (
+            default_depth(communicator.backend, communicator.local_size, getattr(source, "views", False))
+            if prefetch is None
+            else check_count("prefetch", prefetch)
+        )
+        self.steps_per_transfer = check_count("steps_per_transfer", steps_per_transfer, 1)
+        self._epoch = check_count("epoch", epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` reads."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` (its shuffle order) from the next ``iter()`` on. Local; call it on every rank."""
+        self._epoch = check_count("epoch", epoch)
+
+    def __iter__(self) -> DistributedIterator:
+        return DistributedIterator(self)
+
+    def __len__(self) -> int:
+        """Steps of a whole epoch, when every rank knows it without communication."""
+        steps = None if self._source.collective_length else self._source.length(self._epoch, 0)
+        if steps is None:
+            raise TypeError(
+                f"the number of steps of this {self.shard_policy}-sharded dataset is only known by "
+                "iterating it (its dataset has no len(), or ranks read different data)"
+            )
+        return steps
+
+    def _report_dropped(self, here: int, total: int, epoch: int) -> None:
+        """Warn, once per dataset, that ``total`` elements (``here`` of them this rank's) were dropped. Local."""
+        if total > 0 and self._warn_drops:
+            self._warn_drops = False
+            warnings.warn(
+                on_rank(
+                    self._host.rank,
+                    f"mpidist dropped {total} element(s) of epoch {epoch} ({here} on this "
+                    f"rank) so that all {self._host.num_replicas_in_sync} ranks run the same number of steps "
+                    f"({self.shard_policy} sharding). Pass drop_remainder=True to drop them without this warning; to "
+                    "see every element, read the data as an ArrayDataset with remainder='partial' or 'mask', or as a "
+                    "FileDataset with a global_batch_size",
+                ),
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def iterator_from_state(self, state: dict[str, Any]) -> DistributedIterator:
+        """A new iterator positioned at ``state`` (from :meth:`DistributedIterator.get_state`). Local."""
+        iterator = iter(self)
+        iterator.set_state(state)
+        return iterator
+
+    def __repr__(self) -> str:
+        return (
+            f"<DistributedDataset {self.shard_policy}-sharded over {self._host.num_replicas_in_sync} "
+            f"replicas, epoch {self._epoch}, prefetch {self.prefetch}>"
+        )
+
+
+class DistributedIterator:
+    """Iterator over a :class:`DistributedDataset`: each ``next()`` is one step.
+
+    ``next()`` returns this rank's element as a nest of ``PerReplica``. It is
+    collective (a check that every rank's input succeeded and one allreduce,
+    per chunk of ``steps_per_transfer`` steps) when the number of steps is
+    not known in advance, and for a ``dataset_fn``-built dataset the first
+    ``next()`` agrees on the length (one allreduce); otherwise it is local.
+    Every rank must call it the same number of times.
+    """
+
+    def __init__(self, dataset: DistributedDataset) -> None:
+        self._dataset, self._source, self._host = dataset, dataset._source, dataset._host
+        self._rank = self._host.rank
+        self._epoch, self._offset, self._seed = dataset.epoch, 0, self._source.seed
+        self._prefetcher: Optional[Prefetcher] = None
+        self._converter: Optional[Converter] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        self._prefetcher = None
+        self._converter = None
+        self._ready: collections.deque[tuple[Any, int]] = collections.deque()
+        self._length: Optional[int] = None
+        self._final = False  # no step after those in _ready
+        self._done = False  # exhausted: next() raises StopIteration without communicating
+        self._dropped = 0  # steps this rank read that the others had no step for (rank-local sources)
+
+    # -- position (local) ------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch this iterator reads."""
+        return self._epoch
+
+    @property
+    def offset(self) -> int:
+        """Position in the epoch: samples (arrays) or elements consumed over all ranks; steps if rank-local."""
+        return self._offset
+
+    def get_state(self) -> dict[str, Any]:
+        """The position as a JSON-serialisable dict of ints and strings. Local; the same on every rank.
+
+        Keys: ``format``, ``kind``, ``epoch``, ``offset``, ``seed``,
+        ``num_replicas`` and, for array datasets, ``num_samples``,
+        ``global_batch_size``, ``shuffle``, ``remainder``. Steps prefetched
+        but not yet returned by ``next()`` do not count.
+        """
+        state = {
+            "format": STATE_FORMAT,
+            "kind": self._source.kind,
+            "epoch": self._epoch,
+            "offset": self._offset,
+            "seed": self._seed,
+            "num_replicas": self._host.num_replicas_in_sync,
+        }
+        state.update(self._source.state())
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a :meth:`get_state` dict, possibly from another number of ranks). Local.
+
+        The epoch, offset and shuffle seed are taken from ``state``. Raises
+        ``ValueError`` when the state belongs to another kind of dataset or
+        to different data.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                on_rank(
+                    self._rank,
+                    f"not an mpidist iterator state (expected a dict with format {STATE_FORMAT!r}), got {state!r}",
+                )
+            )
+        if state.get("kind") != self._source.kind:
+            raise ValueError(
+                on_rank(
+                    self._rank,
+                    f"the state is of a {state.get('kind')!r} iterator, but this "
+                    f"iterator reads a {self._source.kind!r} source",
+                )
+            )
+        for key in ("epoch", "offset", "seed"):
+            check_count(f"state[{key!r}]", state.get(key))
+        self._source.check(state, self._host.num_replicas_in_sync)
+        self._reset()
+        self._epoch, self._offset = check_count("epoch", state["epoch"]), state["offset"]
+        self._seed = check_count("seed", state["seed"])
+
+    # -- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._ready:
+            self._refill()
+        element, advance = self._ready.popleft()
+        self._offset += advance
+        return wrap(self._rank, element)
+
+    def _refill(self) -> None:
+        if self._done:
+            raise StopIteration
+        prefetcher, converter = self._prefetcher, self._converter
+        if prefetcher is None or converter is None:
+            prefetcher, converter = self._start()
+        if not self._final:
+            chunk = self._next_chunk(prefetcher)
+            steps = [] if chunk is None else _finish(converter, chunk).steps()
+            count = len(steps)
+            if self._length is None:
+                count = self._agree_steps(count)
+                if count > len(steps):
+                    steps += self._fill(converter, count - len(steps))
+                self._final = count < self._dataset.steps_per_transfer
+                self._dropped += len(steps) - count
+            elif chunk is None:
+                self._final = True
+            self._ready.extend(steps[:count])
+        if not self._ready:
+            self._end_epoch()
+            raise StopIteration
+
+    def _next_chunk(self, prefetcher: Prefetcher) -> Optional[Chunk]:
+        """The next chunk from ``prefetcher`` (``None`` at the end of the epoch).
+
+        Collective when the ranks agree on the steps (the length is not
+        known): whether every rank's input succeeded. A rank whose source
+        raised raises its error here; every other rank a ``RuntimeError``
+        naming it, so that no rank waits for it.
+        """
+        try:
+            chunk = prefetcher.get()
+            error: Optional[Exception] = None
+        except Exception as caught:
+            if self._length is not None:
+                raise
+            chunk, error = None, caught
+        if self._length is None:
+            failures = self._host.communicator.outcome(error, "data: input ready")
+            if error is not None:
+                raise error
+            if failures:
+                self.close()
+                raise RuntimeError(
+                    on_rank(
+                        self._rank,
+                        f"the input pipeline failed elsewhere in epoch {self._epoch} (offset "
+                        f"{self._offset}): {describe_failures(failures)}. Each of those ranks raises its own error; "
+                        "stopping here too, so that no rank waits",
+                    )
+                )
+        return chunk
+
+    def _end_epoch(self) -> None:
+        """Close, then warn about dropped elements. Collective for rank-local sources (files,
+        ``dataset_fn``) that warn: each rank reads the rest of its share to count it, and one
+        allreduce sums the counts (every rank ends the epoch at the same step)."""
+        if self._source.global_position:
+            here, total = self._source.dropped_here, self._source.dropped
+        else:
+            here = total = self._dropped
+        if not self._source.global_position and self._dataset._warn_drops:
+            if self._prefetcher is not None:
+                try:
+                    while (chunk := self._prefetcher.get()) is not None:
+                        here += len(chunk)
+                except Exception:
+                    self._agree(0, "elements dropped", ReduceOp.SUM)  # join the others' count, then fail here
+                    raise
+            total = self._agree(here, "elements dropped", ReduceOp.SUM)
+        self.close()
+        self._done = True
+        self._dataset._report_dropped(here, total, self._epoch)
+
+    def _start(self) -> tuple[Prefetcher, Converter]:
+        """Open the epoch's source at the position; collective when the ranks agree on the length."""
+        length = self._source.length(self._epoch, self._offset)
+        if self._source.collective_length:
+            agreed = self._agree(-1 if length is None else length, "dataset length")
+            self._dropped = 0 if agreed < 0 else length - agreed
+            length = None if agreed < 0 else agreed
+        self._length = length
+        converter = self._converter = Converter(self._host.backend)
+        chunks = self._source.chunks(self._epoch, self._offset, self._dataset.steps_per_transfer, length, self._seed)
+        prepare = converter.prepare if converter.staging else None
+        prefetcher = self._prefetcher = Prefetcher(chunks, prepare, self._dataset.prefetch)
+        return prefetcher, converter
+
+    def _fill(self, converter: Converter, count: int) -> list[tuple[Any, int]]:
+        """``count`` steps without records, for an exact source whose records on this rank ran out. Local."""
+        filler = self._source.filler(count)
+        if converter.staging:
+            filler = filler.map_leaves(converter.prepare)
+        return _finish(converter, filler).steps()
+
+    def _agree_steps(self, count: int) -> int:
+        """Collective: the number of steps every rank takes next, this rank having ``count`` ready.
+
+        The minimum over ranks for sources that drop, the maximum for exact
+        ones. One allreduce (MIN) of three int64: ``count``, ``-count`` and
+        this rank if it cannot build empty batches (an exact source that has
+        read no record), else N. ``RuntimeError`` on every rank when an exact
+        source needs empty batches from a rank that has read no record (it
+        does not know their shapes); the lowest such rank is named.
+        """
+        size = self._host.num_replicas_in_sync
+        blind = self._rank if self._source.exact and not self._source.has_template else size
+        mins = self._host.communicator.allreduce(
+            np.array([count, -count, blind], dtype=np.int64), ReduceOp.MIN, name="data: steps ready"
+        )
+        low, high, first_blind = int(mins[0]), -int(mins[1]), int(mins[2])
+        if not self._source.exact:
+            return low
+        if high > 0 and first_blind < size:
+            self.close()
+            raise RuntimeError(
+                on_rank(
+                    self._rank,
+                    f"no record was read on rank {first_blind} in epoch {self._epoch}, so it cannot "
+                    f"build the empty or padded batches of the last {high} step(s) that other ranks still have; "
+                    "give every rank at least one record (more files than ranks, no empty files), or pass "
+                    "shard_policy='element'",
+                )
+            )
+        return high
+
+    def _agree(self, count: int, what: str, op: ReduceOp = ReduceOp.MIN) -> int:
+        """Collective: the minimum (or ``op``) of ``count`` over all ranks."""
+        result = self._host.communicator.allreduce(np.array(count, dtype=np.int64), op, name=f"data: {what}")
+        return int(result)
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop the steps it prepared. Local.
+
+        The position stays: a later ``next()`` reads on from it (re-iterable
+        datasets only: a one-shot iterator cannot start over).
+        """
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        self._ready.clear()
+        self._final = False
+
+    def __repr__(self) -> str:
+        return f"<DistributedIterator {self._source.kind} epoch {self._epoch} offset {self._offset}>"
+
+
+def _finish(converter: Converter, chunk: Chunk) -> Chunk:
+    """``chunk`` (prepared by the prefetch thread) with its leaves on the converter's backend. Local."""
+    return chunk.map_leaves(converter.finish) if converter.needs_finish(chunk) else chunk
