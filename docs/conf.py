@@ -6,7 +6,7 @@ generated from the docstrings of the names in ``mpidist.__all__``, grouped by to
     pip install -e '.[docs]'
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 
-Warnings are errors (``-W``); ``tests/test_docs.py`` builds it that way.
+Warnings are errors (``-W``); ``tests/unit/test_docs.py`` builds it that way.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ API_SECTIONS = [
     ("Distributed values", ("mpidist._values.values",)),
     ("Variables", ("mpidist._distribute.variables",)),
     ("Reductions and options", ("mpidist._comm.reduce_op", "mpidist._options")),
-    ("Input", ("mpidist._input.pipeline", "mpidist._input.datasets", "mpidist._input.sharding")),
+    ("Input", ("mpidist._input.datasets", "mpidist._input.distributed", "mpidist._input.multistep",
+               "mpidist._input.sharding")),
     ("Metrics", ("mpidist._distribute.metrics",)),
     ("Checkpoints", ("mpidist._checkpoint.checkpoint", "mpidist._checkpoint.reader")),
     ("Communicator", ("mpidist._comm.communicator", "mpidist._comm.handle")),

@@ -2,7 +2,7 @@
 
 - ``comm`` fixture: ``MPI.COMM_WORLD`` (mpi4py is imported on first use, not here).
 - ``@pytest.mark.gpu``: skipped unless CuPy imports and sees a CUDA device. With
-  ``MPIDIST_TEST_DEVICE=standin`` the CPU stand-in for CuPy in ``tests/standin/`` is imported as
+  ``MPIDIST_TEST_DEVICE=standin`` the CPU stand-in for CuPy in ``tests/helpers/standin/`` is imported as
   ``cupy`` instead (it refuses to load next to the real CuPy); every gpu test then also checks
   that no device buffer reached MPI unsynchronised and nothing was converted to the host implicitly
   (the ``device_ledger`` fixture gives the stand-in's copy counters).
@@ -10,8 +10,9 @@
 - ``--junitxml`` under ``--with-mpi``: one report per rank (``NAME.rank<R>.xml``), not one file
   that every rank writes.
 - Hypothesis: no example database, its other files in a per-user directory under the
-  system's temporary directory (no ``.hypothesis/`` left behind), no deadline (ranks share cores), and under ``--with-mpi``
-  derandomized, so every rank draws the same examples and reaches the same collectives.
+  system's temporary directory (no ``.hypothesis/`` left behind), no deadline (ranks share
+  cores), and under ``--with-mpi`` derandomized, so every rank draws the same examples and
+  reaches the same collectives.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ import pytest
 TEST_DEVICE = os.environ.get("MPIDIST_TEST_DEVICE", "")
 if TEST_DEVICE not in ("", "cupy", "standin"):
     raise pytest.UsageError(f"MPIDIST_TEST_DEVICE={TEST_DEVICE!r}: expected 'standin' (the CPU stand-in "
-                            "for CuPy in tests/standin/) or 'cupy' (the installed CuPy, the default)")
+                            "for CuPy in tests/helpers/standin/) or 'cupy' (the installed CuPy, the default)")
 if TEST_DEVICE == "standin":  # before any test module imports cupy
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "standin"))
 
 
 def _mpi_description() -> str:

@@ -15,7 +15,7 @@ Steps, each under a timeout:
    the same CuPy arrays, staged and CUDA-aware, 1 KiB .. ``--max-bytes``.
 
 With ``MPIDIST_TEST_DEVICE=standin`` it runs against the CPU stand-in for CuPy
-(tests/standin/), CUDA-aware included, with sizes up to 4 MiB.
+(tests/helpers/standin/), CUDA-aware included, with sizes up to 4 MiB.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import json, sys
 from mpi4py import MPI
 from mpidist._comm.backend import Backend
 from mpidist._comm.cuda_aware import decide_cuda_aware, library_cuda_support
-from mpidist._comm.hierarchy import node_split
+from mpidist._comm.topology import node_split
 node = node_split(MPI.COMM_WORLD)
 backend = Backend.select("gpu", node.rank)
 d = decide_cuda_aware(MPI.COMM_WORLD, backend, "auto")
@@ -114,7 +114,7 @@ def _mpiexec() -> list[str]:
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
-    paths = [ROOT] + ([os.path.join(HERE, "standin")] if STANDIN else [])
+    paths = [ROOT] + ([os.path.join(HERE, "helpers", "standin")] if STANDIN else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
@@ -138,7 +138,7 @@ def _result(output: str) -> object:
 
 
 def _summary_line(output: str) -> str:
-    lines = [l for l in output.splitlines() if " passed" in l or " failed" in l or " error" in l]
+    lines = [line for line in output.splitlines() if " passed" in line or " failed" in line or " error" in line]
     return lines[-1].strip() if lines else "(no pytest summary)"
 
 
@@ -164,7 +164,8 @@ def main() -> int:
     if probe is None:
         print(out[-4000:])
         print("gpu_check: the CUDA-aware probe failed; see the output above")
-        json.dump(summary, open(args.out, "w"), indent=2)
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
         return 1
     modes = {"staged": "0"}
     why_not = None

@@ -27,13 +27,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
+
+from paths import JOBS
 
 __all__ = ["MPIResult", "find_mpiexec", "mpi_env", "mpi_flavour", "mpiexec_command", "read_env_file",
            "run_command", "run_mpi"]
 
-JOBS = Path(__file__).resolve().parent.parent / "jobs"
 # Seconds between SIGTERM (the launcher forwards it to the ranks and cleans up) and SIGKILL.
 KILL_GRACE = 3.0
 
@@ -54,7 +55,7 @@ def find_mpiexec(python: str | None = None) -> list[str]:
     return [found]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_flavour(launcher: str) -> str | None:
     """``"openmpi"``, ``"mpich"`` or ``None`` (srun, unknown): the MPI of ``launcher --version``."""
     try:

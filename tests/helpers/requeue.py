@@ -1,7 +1,7 @@
 """``jobs/train.sbatch`` preempted on a real Slurm: submit, signal, requeue, compare with a run never stopped.
 
-Shared by the one-node test (``tests/test_preemption.py``) and the two-node one
-(``tests/test_multinode.py``); they pass the ``sbatch`` options of their cluster. The signal is
+Shared by the one-node test (``tests/system/test_preemption_slurm.py``) and the two-node one
+(``tests/system/test_multinode.py``); they pass the ``sbatch`` options of their cluster. The signal is
 sent as ``--signal=B:USR1`` would send it (``scancel --signal=USR1 --batch``): the batch script
 passes it on to the launcher, the ranks stop after the same step, save and exit, and the script
 requeues the job. Slurm holds a requeued job back for about two minutes; the helpers release it
@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable, Mapping, Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import numpy as np
 import pytest

@@ -287,7 +287,7 @@ def test_a_failing_set_state_is_rolled_back_on_every_rank(strategy, shared_dir):
     model = build(strategy, fill=False)
     inputs, other = FailingSetState(r, n), ShardedRange(r, n)
     next(inputs), next(other)
-    with pytest.raises(RuntimeError, match=f"rank {n - 1}: set_state refused on rank {n - 1}"):
+    with pytest.raises(RuntimeError, match=f"rank {n - 1}: RuntimeError: set_state refused on rank {n - 1}"):
         Checkpoint(inputs=inputs, more=other, weights=model["weights"]).restore(
             _renamed(shared_dir, {"inputs": "more"}))
     assert inputs.position == n and other.position == n

@@ -15,8 +15,8 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import CollectiveMismatchError, CollectiveTimeoutError
-from mpidist._errors import format_ranks
 from mpidist._comm.communicator import Communicator
+from mpidist._errors import format_ranks
 from mpidist._options import Options
 
 pytestmark = pytest.mark.mpi
@@ -97,8 +97,8 @@ def test_allreduce_bool(comm):
 @pytest.mark.parametrize("op,dtype", [(op, dt) for op in ("sum", "mean", "max")
                                       for dt in ("int32", "float32", "float64", "complex128") if defined(op, dt)])
 def test_pipelined_allreduce_matches_single_call(op, dtype):
-    piecewise = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024))
-    whole = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1 << 30))
+    piecewise = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1024))
+    whole = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1 << 30))
     shape = (37, 101)  # 3737 elements: several pieces plus a ragged last one
     for _ in range(2):
         a = piecewise.allreduce(contribution(piecewise.rank, shape, dtype), op)
@@ -148,7 +148,8 @@ def test_allgather_equal_and_unequal_lengths(comm, dtype):
         np.testing.assert_array_equal(equal, np.concatenate([contribution(r, (2, 3), dtype) for r in range(comm.size)]))
         unequal = comm.allgather(contribution(comm.rank, (comm.rank, 2), dtype))  # rank 0 sends nothing
         assert unequal.shape == (sum(range(comm.size)), 2)
-        np.testing.assert_array_equal(unequal, np.concatenate([contribution(r, (r, 2), dtype) for r in range(comm.size)]))
+        want = np.concatenate([contribution(r, (r, 2), dtype) for r in range(comm.size)])
+        np.testing.assert_array_equal(unequal, want)
         scalars = comm.allgather(np.array(comm.rank * 10, dtype=np.int64))
         np.testing.assert_array_equal(scalars, np.arange(comm.size) * 10)
 
@@ -169,7 +170,7 @@ def test_reduce_scatter(comm, op):
 
 
 def test_split_counts_cover_and_balance(comm):
-    for n in range(0, 3 * comm.size + 2):
+    for n in range(3 * comm.size + 2):
         counts = comm.split_counts(n)
         assert sum(counts) == n and max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
 
@@ -235,7 +236,7 @@ def _ranks(ranks: list) -> str:
 
 
 def test_checks_off_still_reduce_correctly():
-    c = Communicator(MPI.COMM_WORLD, Options(check_collectives=False, timeout=None, pipeline_bytes=8192))
+    c = Communicator(MPI.COMM_WORLD, Options(check_collectives=False, timeout=None, piece_bytes=8192))
     for _ in range(2):
         np.testing.assert_array_equal(c.allreduce(contribution(c.rank, (5,), "int64")),
                                       expected("sum", c.size, (5,), "int64"))
@@ -278,7 +279,8 @@ def test_options_reject_unknown_and_malformed():
         Options.resolve(env={}, timeuot=3)
     with pytest.raises(ValueError, match="MPIDIST_TIMEOUT"):
         Options.resolve(env={"MPIDIST_TIMEOUT": "soon"})
-    assert Options.resolve(env={"MPIDIST_TIMEOUT": "2.5", "MPIDIST_CHECK": "off"}) == Options(timeout=2.5, check_collectives=False)
+    env = {"MPIDIST_TIMEOUT": "2.5", "MPIDIST_CHECK": "off"}
+    assert Options.resolve(env=env) == Options(timeout=2.5, check_collectives=False)
 
 
 # -- byte payloads (allgather_bytes, broadcast_bytes), also with agreement checks off --------

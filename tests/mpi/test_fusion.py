@@ -2,7 +2,7 @@
 
 Expected values come from rank and size (``contribution``/``expected`` of
 test_comm), and every fused result is also compared with one plain
-``Communicator.allreduce`` per array. Small ``pipeline_bytes`` and
+``Communicator.allreduce`` per array. Small ``piece_bytes`` and
 ``fusion_bytes`` make a few arrays exercise every path: buckets of packed
 arrays, arrays reduced where they are in several pieces, and runs of arrays that
 lie back to back in one buffer. Every rank makes the same calls in the same order.
@@ -17,7 +17,7 @@ import mpidist as md
 from arrays import assert_equal, host
 from mpidist import CollectiveMismatchError, MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
 from mpidist._comm.communicator import Communicator
-from mpidist._comm.flat import FlatStore, joinable
+from mpidist._comm.flat_store import FlatStore, joinable
 from mpidist._options import Options
 from test_comm import NUMERIC, contribution, defined, expected
 
@@ -30,7 +30,7 @@ OPS = ["sum", "mean", "min", "max", "prod", None]  # None: rank 0's value
 
 @pytest.fixture(scope="module")
 def fusion():
-    comm = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024, fusion_bytes=256))
+    comm = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1024, fusion_bytes=256))
     yield comm
     comm.free()
 
@@ -50,7 +50,7 @@ def inputs(comm: Communicator, dtype: str, flat: bool) -> list[np.ndarray]:
     arrays = [contribution(comm.rank, shape, dtype) for shape in SHAPES]
     if not flat:
         return arrays
-    store = FlatStore(np, chunk_bytes=1 << 20)
+    store = FlatStore(np, slab_bytes=1 << 20)
     placed = [store.zeros(a.shape, a.dtype) for a in arrays]
     for p, a in zip(placed, arrays):
         p[...] = a
@@ -124,16 +124,17 @@ def test_allreduce_many_and_nonblocking_match_plain(fusion, dtype):
             into = fusion.allreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))], out=out)
             assert all(i is o for i, o in zip(into, out))
             own = [contribution(comm.rank, shape, dtype) for shape in SHAPES]  # out= the inputs: in place
-            assert all(r is a for r, a in zip(fusion.allreduce_many(own, ReduceOp.of(op), list("abcdef"), out=own), own))
+            results = fusion.allreduce_many(own, ReduceOp.of(op), list("abcdef"), out=own)
+            assert all(r is a for r, a in zip(results, own))
             handle = fusion.iallreduce_many(arrays, ReduceOp.of(op), [f"a{i}" for i in range(len(arrays))])
             for a in arrays:
                 a[...] = 0  # the nonblocking call copied its inputs when it started
             later = handle.wait()
-            for g, l, o, w in zip(got, later, out, want):
+            for g, h, o, w in zip(got, later, out, want):
                 assert g.shape == w.shape and g.dtype == w.dtype
                 np.testing.assert_array_equal(g, w)
                 np.testing.assert_array_equal(o, w)
-                np.testing.assert_array_equal(l, w)
+                np.testing.assert_array_equal(h, w)
             for a, w in zip(own, want):
                 np.testing.assert_array_equal(a, w)
             assert handle.test() and handle.wait() is later
@@ -164,7 +165,7 @@ def test_fused_mismatch_names_the_array_and_modifies_nothing(fusion):
 # -- the strategy's fused paths ----------------------------------------------------------------
 @pytest.fixture(scope="module", params=[False, True], ids=["arrays", "flat"])
 def strategy(request):
-    s = MPIStrategy(device="cpu", flat_variables=request.param, pipeline_bytes=2048, fusion_bytes=512)
+    s = MPIStrategy(device="cpu", flat_variables=request.param, piece_bytes=2048, fusion_bytes=512)
     yield s
     s.free()
 
@@ -196,7 +197,7 @@ def test_batch_update_equals_one_update_per_variable(strategy, fn):
                   enumerate(specs)]
         grads = strategy.flat_zeros_like(fused)
         if strategy.options.flat_variables:
-            assert all(joinable(a._component, b._component) for a, b in zip(fused[:4], fused[1:4]) if a.dtype == b.dtype)
+            assert all(joinable(a.component, b.component) for a, b in zip(fused[:4], fused[1:4]) if a.dtype == b.dtype)
         for _ in range(2):
             for g, (dt, shape, _) in zip(grads, specs):
                 g[...] = contribution(r, shape, dt)
@@ -204,18 +205,18 @@ def test_batch_update_equals_one_update_per_variable(strategy, fn):
                 strategy.run(lambda: strategy.batch_update([(v, g)], update))
             assert strategy.run(lambda: strategy.batch_update(zip(fused, grads), update)) == fused
             for v, s, g, (dt, shape, _) in zip(fused, single, grads, specs):
-                assert_equal(v._component, s._component)
+                assert_equal(v.component, s.component)
                 assert_equal(g, contribution(r, shape, dt))
-            assert_identical_on_all_ranks(strategy, [v._component for v in fused])
+            assert_identical_on_all_ranks(strategy, [v.component for v in fused])
             copies = [g.copy() for g in grads]
             strategy.run(lambda: strategy.batch_update(zip(fused, grads), update, in_place=True))
             strategy.run(lambda: strategy.batch_update(zip(single, copies), update))
             for v, s, g, (dt, shape, agg) in zip(fused, single, grads, specs):
-                assert_equal(v._component, s._component)
+                assert_equal(v.component, s.component)
                 assert_equal(g, reduced(n, dt, shape, agg))  # in_place: the values now hold their aggregates
     if fn == "assign_add":  # and against the values derived from rank and size
         for v, (dt, shape, agg) in zip(fused, specs):
-            assert_equal(v._component, (contribution(0, shape, dt) + 4 * reduced(n, dt, shape, agg)).astype(dt))
+            assert_equal(v.component, (contribution(0, shape, dt) + 4 * reduced(n, dt, shape, agg)).astype(dt))
 
 
 def test_batch_update_errors_name_the_variable(strategy):
@@ -228,14 +229,14 @@ def test_batch_update_errors_name_the_variable(strategy):
         with pytest.raises(TypeError, match="'c_int' has integer dtype"):
             strategy.run(lambda: strategy.batch_update([(a, np.ones(2)), (c, np.ones(3) / 2)]))
         strategy.batch_update([(a, np.ones(2)), (b, np.full(2, 3.0))])  # cross-replica: as given
-        assert_equal(a._component, [1.0, 1.0])
-        assert_equal(b._component, [3.0, 3.0])
+        assert_equal(a.component, [1.0, 1.0])
+        assert_equal(b.component, [3.0, 3.0])
         if strategy.num_replicas_in_sync > 1:
             with pytest.raises(CollectiveMismatchError, match="'c_int'"):
                 pairs = [(a, np.ones(2)), (c, np.ones(3, np.int64))] if strategy.rank else [(a, np.ones(2)),
                                                                                           (a, np.ones(2))]
                 strategy.run(lambda: strategy.batch_update(pairs))
-            assert_equal(a._component, [1.0, 1.0])  # nothing was modified
+            assert_equal(a.component, [1.0, 1.0])  # nothing was modified
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "complex128"])
@@ -270,7 +271,7 @@ def test_flat_variables_stay_ordinary(strategy):
         v = Variable(np.arange(6.0).reshape(2, 3), aggregation=Agg.MEAN, name="ordinary")
         v.assign_add(np.ones((2, 3)))
         strategy.run(lambda: v.assign_sub(np.ones((2, 3))))
-    assert v.shape == (2, 3) and v.dtype == np.float64 and v._component.flags.c_contiguous
+    assert v.shape == (2, 3) and v.dtype == np.float64 and v.component.flags.c_contiguous
     assert_equal(v.numpy(), np.arange(6.0).reshape(2, 3))
     assert_equal(v + 1, np.arange(6.0).reshape(2, 3) + 1)
-    assert (v._component.base is not None) == strategy.options.flat_variables
+    assert (v.component.base is not None) == strategy.options.flat_variables

@@ -1,7 +1,7 @@
 """Device-buffer paths: CuPy arrays, host staging and CUDA-aware MPI.
 
 These run where CuPy sees a CUDA device (``-m gpu``), or on the CPU stand-in for
-CuPy (``MPIDIST_TEST_DEVICE=standin``, see tests/standin/README.md). The
+CuPy (``MPIDIST_TEST_DEVICE=standin``, see tests/helpers/standin/README.md). The
 transfer path follows the run's ``MPIDIST_CUDA_AWARE``: ``1`` hands device
 buffers to MPI, ``0`` stages them through pinned host memory, ``auto`` asks
 the MPI library. On the stand-in every test also checks (tests/conftest.py)
@@ -39,14 +39,14 @@ SETTING = os.environ.get("MPIDIST_CUDA_AWARE", "auto")
 @pytest.fixture(scope="module")
 def comm():
     """A GPU communicator whose transfer path follows ``MPIDIST_CUDA_AWARE``."""
-    c = Communicator(MPI.COMM_WORLD, Options.resolve(device="gpu", pipeline_bytes=4096))
+    c = Communicator(MPI.COMM_WORLD, Options.resolve(device="gpu", piece_bytes=4096))
     yield c
     c.free()
 
 
 @pytest.fixture(scope="module")
 def strategy():
-    s = md.MPIStrategy(device="gpu", pipeline_bytes=4096)
+    s = md.MPIStrategy(device="gpu", piece_bytes=4096)
     yield s
     s.free()
 
@@ -60,7 +60,8 @@ def assert_copies(ledger, comm, h2d, d2h):
     assert ledger.copies() == staged_copies(comm, h2d, d2h), ledger.snapshot()
     assert ledger.implicit == []  # no attempt at an implicit host conversion either
     if comm.cuda_aware:
-        assert ledger.mpi_reads > 0  # MPI was really handed the device buffers
+        # MPI was really handed the device buffers (a reduction over one rank makes no MPI call)
+        assert ledger.mpi_reads > 0 or comm.size == 1
     else:
         assert ledger.mpi_reads == 0  # MPI only ever saw host buffers
 
@@ -111,7 +112,7 @@ def test_device_allreduce(comm, dtype, mode):
     import cupy
 
     n, r = comm.size, comm.rank
-    want = (np.arange(3000) % 5 * sum(q + 1 for q in range(n))).astype(dtype)  # > pipeline_bytes: pieces
+    want = (np.arange(3000) % 5 * sum(q + 1 for q in range(n))).astype(dtype)  # > piece_bytes: pieces
     for _ in range(2):
         mine = cupy.asarray((np.arange(3000) % 5 * (r + 1)).astype(dtype))
         if mode == "inplace":
@@ -212,7 +213,7 @@ def test_mirrored_update_copies(strategy, device_ledger):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     with strategy.scope():
         v = md.Variable(cupy.zeros(100, dtype=cupy.float32), name="w", aggregation=md.VariableAggregation.MEAN)
-    assert isinstance(v._component, cupy.ndarray)
+    assert isinstance(v.component, cupy.ndarray)
     grad = cupy.full(100, r + 1, dtype=cupy.float32)
     for step in range(1, 4):
         device_ledger.reset()
@@ -225,7 +226,7 @@ def test_mirrored_update_copies(strategy, device_ledger):
 def test_batch_update_of_many_variables(device_ledger, flat):
     import cupy
 
-    s = md.MPIStrategy(device="gpu", flat_variables=flat, pipeline_bytes=4096)
+    s = md.MPIStrategy(device="gpu", flat_variables=flat, piece_bytes=4096)
     try:
         n, r = s.num_replicas_in_sync, s.rank
         shapes = [(3, 4), (700,), (5,), (2000,)]

@@ -23,7 +23,7 @@ def strategy():
 def perturb_last_rank(strategy, var):
     """Change the last rank's component behind mpidist's back (a bug in user code)."""
     if strategy.rank == strategy.num_replicas_in_sync - 1:
-        var._component[0] += 1.0
+        var.component[0] += 1.0
 
 
 def test_check_mirrored_passes_when_identical(strategy):

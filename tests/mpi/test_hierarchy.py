@@ -14,9 +14,10 @@ import pytest
 from mpi4py import MPI
 
 from mpidist import MPIStrategy, ReduceOp, Variable, VariableAggregation as Agg
+from mpidist._comm.algorithms import Hierarchical
 from mpidist._comm.communicator import Communicator
-from mpidist._comm.hierarchy import Hierarchy
-from mpidist._comm.hierarchy import Hierarchy
+from mpidist._comm.topology import Topology
+from mpidist._comm.transport import Transport
 from mpidist._options import Options
 from test_comm import NUMERIC, contribution, defined, expected
 
@@ -28,26 +29,42 @@ OPS_DTYPES = [(op, dt) for op in ("sum", "mean", "max", "prod") for dt in ["bool
 
 @pytest.fixture(scope="module")
 def flat():
-    c = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024))
+    c = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1024))
     yield c
     c.free()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 0], ids=["node1", "node2", "shared"])
 def hier(request):
-    c = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024, hierarchical=True, node_size=request.param))
+    c = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1024, hierarchical=True, node_size=request.param))
     yield c
     c.free()
 
 
+def two_level(comm: MPI.Intracomm, options: Options) -> tuple[Hierarchical, Topology]:
+    """The two-level algorithm over ``comm`` (and the topology it may take its nodes from)."""
+    topology = Topology(comm)
+    return Hierarchical(Transport(comm, options), topology), topology
+
+
 def test_groups_follow_the_forced_node_size(hier):
-    h = Hierarchy(hier.mpi_comm, hier.options.node_size)
+    h, topology = two_level(hier.mpi_comm, hier.options)
     k = hier.options.node_size or hier.size  # one machine: the shared-memory node holds every rank
-    assert h.num_nodes == -(-hier.size // k)
+    assert hier.mpi_comm.allreduce(int(h.is_leader)) == -(-hier.size // k)
     assert h.node.size == min(k, hier.size - (hier.rank // k) * k) and h.node.rank == hier.rank % k
     assert h.is_leader == (hier.rank % k == 0)
     assert (h.leaders != MPI.COMM_NULL) == h.is_leader
+    assert hier.num_nodes == 1 and (h.node is topology.node) == (hier.options.node_size == 0)
     h.free()
+    topology.free()
+
+
+def test_the_rule_picks_the_same_algorithm_on_every_rank(flat, hier):
+    for c, kind in ((flat, "Flat"), (hier, "Hierarchical")):
+        for nbytes in (0, 8, 1 << 30):
+            picked = type(c._algorithms.choose(nbytes)).__name__
+            assert picked == kind
+            assert c.mpi_comm.allgather(picked) == [kind] * c.size
 
 
 @pytest.mark.parametrize("op,dtype", OPS_DTYPES)
@@ -79,7 +96,7 @@ def test_hierarchical_fused_paths(flat, hier):
 
 
 def test_hierarchical_with_timeout_and_strategy():
-    s = MPIStrategy(device="cpu", hierarchical=True, node_size=2, timeout=30.0, pipeline_bytes=1024)
+    s = MPIStrategy(device="cpu", hierarchical=True, node_size=2, timeout=30.0, piece_bytes=1024)
     n, r = s.num_replicas_in_sync, s.rank
     with s.scope():
         v = Variable(np.zeros(1000), aggregation=Agg.MEAN, name="h")
@@ -92,7 +109,10 @@ def test_hierarchical_with_timeout_and_strategy():
 
 def test_free_releases_the_sub_communicators():
     base = MPI.COMM_WORLD.Dup()
-    h = Hierarchy(base, node_size=1)
+    h, topology = two_level(base, Options(hierarchical=True, node_size=1))
     h.free()
     assert h.node == MPI.COMM_NULL and h.leaders == MPI.COMM_NULL
+    assert topology.node != MPI.COMM_NULL  # not the algorithm's to free
+    topology.free()
+    assert topology.node == MPI.COMM_NULL
     base.Free()

@@ -5,32 +5,30 @@ world size. Every rank makes the same collective calls in the same order;
 assertions come after the collectives of a test. Datasets are small: the
 whole file runs in seconds at 3 ranks on 2 cores.
 """
+
 from __future__ import annotations
 
 import collections
 import fractions
 import json
 import logging
+import re
 import threading
 import time
+import types
 import warnings
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidist._input.pipeline import (
-    ArrayDataset,
-    FileDataset,
-    InputContext,
-    MultiStepContext,
-    distribute_dataset,
-    distribute_datasets_from_function,
-    run_steps_on_dataset,
-)
+from mpidist._comm.communicator import Communicator
 from mpidist._distribute.metrics import Accuracy, Mean, Sum
-from mpidist._input.sharding import batch_plan, epoch_order, num_steps
 from mpidist._distribute.strategy import MPIStrategy
+from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
+from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
+from mpidist._input.multistep import MultiStepContext
+from mpidist._input.sharding import batch_plan, epoch_order, num_steps
 from mpidist._values.values import PerReplica
 
 pytestmark = pytest.mark.mpi
@@ -68,8 +66,11 @@ def values(steps):
 # -- 1. element sharding ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [range, lambda n: list(range(n)), generator, NoLen, np.arange],
-                         ids=["range", "list", "generator", "nolen", "ndarray"])
+@pytest.mark.parametrize(
+    "make",
+    [range, lambda n: list(range(n)), generator, NoLen, np.arange],
+    ids=["range", "list", "generator", "nolen", "ndarray"],
+)
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_auto_shard_gives_element_s_times_n_plus_r(strategy, make, prefetch):
     r, n = world()
@@ -111,12 +112,12 @@ def test_a_one_shot_iterator_is_read_once_and_then_says_so(strategy):
     assert len(list(it)) == 4
     with pytest.raises(StopIteration):  # stays exhausted, without communicating
         next(it)
-    with pytest.raises(RuntimeError, match="one-shot iterator .generator. that was already read"):
+    with pytest.raises(RuntimeError, match=r"one-shot iterator .generator. that was already read"):
         next(iter(dist))
 
 
 def test_close_mid_epoch_then_read_on_from_the_position(strategy):
-    r, n = world()
+    _, n = world()
     for data in (NoLen(9 * n), ArrayDataset(np.arange(9 * n), n, shuffle=True)):
         dist = distribute_dataset(strategy, data, prefetch=3)
         reference = values(dist) if isinstance(data, NoLen) else [int(e.get()[0]) for e in dist]
@@ -180,9 +181,9 @@ def test_array_dataset_splits_each_global_batch_and_shuffles_by_epoch(strategy):
         for s, e in enumerate(steps):
             mine = e["y"].get()
             assert isinstance(mine, strategy.backend.xp.ndarray) and mine.shape == (per,)
-            assert mine.tolist() == order[s * batch + r * per: s * batch + (r + 1) * per].tolist()
+            assert mine.tolist() == order[s * batch + r * per : s * batch + (r + 1) * per].tolist()
             assert np.array_equal(e["x"].get()[:, 1], 2 * mine)
-        assert gathered == [order[s * batch:(s + 1) * batch].tolist() for s in range(num // batch)]
+        assert gathered == [order[s * batch : (s + 1) * batch].tolist() for s in range(num // batch)]
     assert not np.array_equal(epochs[0][0], epochs[1][0])
     later = distribute_dataset(strategy, ArrayDataset(data, batch, shuffle=True, seed=11, epoch=1))
     assert later.epoch == 1 and [e["y"].get().tolist() for e in later] == [e["y"].get().tolist() for e in dist]
@@ -199,10 +200,9 @@ def test_array_dataset_without_auto_shard_gives_every_rank_the_whole_batch(strat
 @pytest.mark.parametrize("remainder", ["drop", "partial", "mask"])
 @pytest.mark.parametrize("num", [19, 23])
 def test_uneven_end_drop_or_keep_every_sample_once(strategy, remainder, num):
-    r, n = world()
+    _, n = world()
     batch = 6
-    dist = distribute_dataset(strategy, ArrayDataset(np.arange(num), batch, shuffle=True, seed=3,
-                                                     remainder=remainder))
+    dist = distribute_dataset(strategy, ArrayDataset(np.arange(num), batch, shuffle=True, seed=3, remainder=remainder))
     seen, shapes = [], []
     for element in dist:
         if remainder == "mask":
@@ -338,7 +338,8 @@ def test_element_streams_warn_with_the_number_dropped(strategy, make):
         warnings.simplefilter("always")
         got = [int(x.get()) for x in distribute_dataset(strategy, make(3 * n + 2))]
         quiet = [int(x.get()) for x in distribute_dataset(strategy, make(3 * n + 2), drop_remainder=True)]
-        fn = [int(x.get()) for x in distribute_datasets_from_function(strategy, lambda ctx: make(4 + ctx.input_pipeline_id))]
+        from_fn = distribute_datasets_from_function(strategy, lambda ctx: make(4 + ctx.input_pipeline_id))
+        fn = [int(x.get()) for x in from_fn]
     assert got == quiet == [s * n + r for s in range((3 * n + 2) // n)]
     assert fn == [0, 1, 2, 3]
     messages = _drop_warnings(record)
@@ -393,8 +394,9 @@ def _real_rows(element, remainder):
 @pytest.mark.parametrize("remainder", ["partial", "mask"])
 @pytest.mark.parametrize("per_rank", [1, 3])
 @pytest.mark.parametrize("prefetch,steps_per_transfer", [(0, 1), (2, 3)])
-def test_batched_files_visit_every_record_once_in_equal_steps(strategy, remainder, per_rank, prefetch,
-                                                              steps_per_transfer):
+def test_batched_files_visit_every_record_once_in_equal_steps(
+    strategy, remainder, per_rank, prefetch, steps_per_transfer
+):
     r, n = world()
     contents, names = _ten_files_of_four()  # at 3 ranks: 16, 12 and 12 records
     files = FileDataset(names, contents.__getitem__, global_batch_size=per_rank * n, remainder=remainder)
@@ -428,7 +430,7 @@ def test_batched_files_by_record_split_each_global_batch(strategy, remainder):
     seen = [row for e in steps for row in _real_rows(e, "mask" if remainder == "mask" else "partial")]
     everyone = MPI.COMM_WORLD.allgather((len(steps), seen))
     stream = [(i, j) for i in range(10) for j in range(4)]
-    kept = stream if remainder != "drop" else stream[:len(stream) // (3 * n) * 3 * n]
+    kept = stream if remainder != "drop" else stream[: len(stream) // (3 * n) * 3 * n]
     assert dist.shard_policy == "element"
     assert {count for count, _ in everyone} == {num_steps(40, 3 * n, 0, remainder)}
     assert sorted(row for _, rows in everyone for row in rows) == sorted(kept)
@@ -446,7 +448,8 @@ def test_batched_files_drop_when_asked_without_a_warning(strategy):
     shares = [4 * len(range(rank, 10, n)) for rank in range(n)]
     assert everyone == [min(share // 3 for share in shares)] * n
     assert [_real_rows(e, "partial") for e in steps] == [
-        [(i, j) for i in range(r, 10, n) for j in range(4)][3 * s:3 * s + 3] for s in range(len(steps))]
+        [(i, j) for i in range(r, 10, n) for j in range(4)][3 * s : 3 * s + 3] for s in range(len(steps))
+    ]
     assert _drop_warnings(record) == []
     with pytest.raises(ValueError, match="its own remainder="):
         distribute_dataset(strategy, files, drop_remainder=True)
@@ -470,7 +473,7 @@ def test_batched_files_need_a_record_on_every_rank(strategy):
     if n == 1:
         assert list(distribute_dataset(strategy, files)) == []
         return
-    with pytest.raises(RuntimeError, match=f"rank {r}: rank {n - 1} read no record in epoch 0"):
+    with pytest.raises(RuntimeError, match=f"rank {r}: no record was read on rank {n - 1} in epoch 0"):
         list(distribute_dataset(strategy, files))
 
 
@@ -546,8 +549,45 @@ def test_an_error_on_one_rank_stops_every_rank(strategy):
         with pytest.raises(OSError, match="disk gone"):
             next(it)
     else:
-        with pytest.raises(RuntimeError, match=f"the input pipeline of rank {n - 1} failed"):
+        failed = f"the input pipeline failed elsewhere in epoch 0 .*rank {n - 1}: OSError: disk gone"
+        with pytest.raises(RuntimeError, match=failed):
             next(it)
+
+
+def test_every_failed_rank_is_named_and_the_iterators_go_on_agreeing(strategy):
+    """Ranks 1..N-1 fail at the same step: rank 0 names all of them; every rank's next iterator works."""
+    r, n = world()
+    if n == 1:
+        pytest.skip("needs a rank whose input does not fail")
+
+    def source():
+        yield from range(n)
+        if r > 0:
+            raise OSError(f"disk {r} gone")
+        yield from range(n, 4 * n)
+
+    it = iter(distribute_dataset(strategy, source(), prefetch=0))
+    assert values([next(it)]) == [r]
+    if r > 0:
+        with pytest.raises(OSError, match=f"disk {r} gone"):
+            next(it)
+    else:
+        named = "; ".join(f"rank {q}: OSError: disk {q} gone" for q in range(1, n))
+        with pytest.raises(RuntimeError, match=re.escape(f"(offset {n}): {named}. Each of those ranks")) as info:
+            next(it)
+        assert str(info.value).startswith("rank 0: the input pipeline failed elsewhere in epoch 0")
+    assert values(distribute_dataset(strategy, NoLen(2 * n))) == [r, n + r]  # no collective left behind
+
+
+def test_the_input_layer_needs_only_an_input_host():
+    """No strategy: any object with rank, num_replicas_in_sync, backend and communicator distributes data."""
+    r, n = world()
+    with Communicator(MPI.COMM_WORLD) as comm:
+        host = types.SimpleNamespace(
+            rank=comm.rank, num_replicas_in_sync=comm.size, backend=comm.backend, communicator=comm
+        )
+        assert values(distribute_dataset(host, NoLen(3 * n))) == [r, n + r, 2 * n + r]
+        assert values(distribute_datasets_from_function(host, lambda ctx: [ctx.input_pipeline_id])) == [r]
 
 
 # -- 6. multi-step loops ----------------------------------------------------------------------
@@ -564,11 +604,11 @@ def test_run_steps_on_dataset_records_the_last_step(strategy):
         ctx.set_last_step_output("mine", x)
         ctx.set_last_step_output("first", x * 1.0, reduce_op="only_first_replica")
         ctx.set_non_tensor_output("rank", r)
-        with pytest.raises(ValueError, match="VariableAggregation.NONE"):
+        with pytest.raises(ValueError, match=r"VariableAggregation.NONE"):
             ctx.set_last_step_output("bad", x, reduce_op="none")  # refused where it is recorded: local
 
     while True:
-        ctx = run_steps_on_dataset(strategy, step, it, 3)
+        ctx = strategy.run_steps_on_dataset(step, it, 3)
         runs.append(ctx)
         if ctx.steps_run < 3:
             break
@@ -580,22 +620,22 @@ def test_run_steps_on_dataset_records_the_last_step(strategy):
         assert int(ctx.last_step_outputs["mine"].get()) == last * n + r
         assert float(ctx.last_step_outputs["first"]) == last * n  # replica 0's element on every rank
         assert ctx.non_tensor_outputs == {"rank": r}
-    empty = run_steps_on_dataset(strategy, step, it, 3)
+    empty = strategy.run_steps_on_dataset(step, it, 3)
     assert empty.steps_run == 0 and empty.last_step_outputs == {}
     with pytest.raises(TypeError, match="needs an iterator"):
-        run_steps_on_dataset(strategy, step, distribute_dataset(strategy, range(3)), 3)
+        strategy.run_steps_on_dataset(step, distribute_dataset(strategy, range(3)), 3)
 
 
 def test_run_steps_on_array_batches_in_one_transfer(strategy):
-    r, n = world()
+    _, n = world()
     dist = distribute_dataset(strategy, ArrayDataset(np.arange(24.0), 3 * n), steps_per_transfer=4, prefetch=1)
 
     def step(ctx, batch):
         ctx.set_last_step_output("mean", batch.mean(), reduce_op="mean")
 
-    ctx = run_steps_on_dataset(strategy, step, iter(dist), 4)
+    ctx = strategy.run_steps_on_dataset(step, iter(dist), 4)
     steps = min(4, 24 // (3 * n))
-    last = np.arange(24.0)[(steps - 1) * 3 * n: steps * 3 * n]
+    last = np.arange(24.0)[(steps - 1) * 3 * n : steps * 3 * n]
     assert ctx.steps_run == steps and float(ctx.last_step_outputs["mean"]) == last.mean()
 
 
@@ -660,7 +700,7 @@ def test_resume_on_another_number_of_ranks_sees_each_sample_once(kind, direction
 
 
 def test_resume_at_the_same_size_and_state_checks(strategy):
-    r, n = world()
+    _, n = world()
     dist = distribute_dataset(strategy, ArrayDataset(np.arange(30), 2 * n, shuffle=True, seed=1))
     it = iter(dist)
     head = [next(it).get().tolist() for _ in range(2)]
@@ -697,15 +737,20 @@ def test_gpu_batches_arrive_on_the_device(gpu_strategy, steps_per_transfer):
 
     r, n = world()
     data = {"x": np.arange(60, dtype=np.float32).reshape(30, 2), "y": np.arange(30)}
-    dist = distribute_dataset(gpu_strategy, ArrayDataset(data, 2 * n, shuffle=True, seed=3, remainder="partial"),
-                              steps_per_transfer=steps_per_transfer, prefetch=2)
+    dist = distribute_dataset(
+        gpu_strategy,
+        ArrayDataset(data, 2 * n, shuffle=True, seed=3, remainder="partial"),
+        steps_per_transfer=steps_per_transfer,
+        prefetch=2,
+    )
     order = epoch_order(30, 0, 3)
     got = []
     for element in dist:
         assert isinstance(element["x"].get(), cupy.ndarray) and isinstance(element["y"].get(), cupy.ndarray)
         got.append(cupy.asnumpy(element["y"].get()).tolist())
         assert cupy.asnumpy(element["x"].get())[:, 0].tolist() == [2 * v for v in got[-1]]
-    assert got == [order[list(p)].tolist() for p in (range(lo, hi) for lo, hi, _ in batch_plan(30, 2 * n, r, n, remainder="partial"))]
+    plan = batch_plan(30, 2 * n, r, n, remainder="partial")
+    assert got == [order[list(range(lo, hi))].tolist() for lo, hi, _ in plan]
 
 
 @pytest.mark.gpu

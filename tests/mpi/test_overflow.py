@@ -14,8 +14,8 @@ from mpi4py import MPI
 
 import mpidist as md
 from mpidist import IntegerOverflowError
-from mpidist._comm.communicator import Communicator
 from mpidist._comm import overflow
+from mpidist._comm.communicator import Communicator
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._options import Options
 
@@ -24,7 +24,7 @@ SIZE = MPI.COMM_WORLD.size
 
 @pytest.fixture(scope="module")
 def comm():
-    c = Communicator(MPI.COMM_WORLD, Options.resolve(env={}, check_overflow=True, pipeline_bytes=1024))
+    c = Communicator(MPI.COMM_WORLD, Options.resolve(env={}, check_overflow=True, piece_bytes=1024))
     yield c
     c.free()
 

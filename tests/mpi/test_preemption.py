@@ -2,10 +2,8 @@
 
 MPI tests (1, 2 and 3 ranks): with collective checks on, the request rides the next
 agreement record; with every check off, ``should_stop(check_every=k)`` checks every k-th call.
-Serial tests: signal names, and a one-rank world. The system test (marker ``slurm``)
-submits ``jobs/train.sbatch`` to a real Slurm, signals it as ``--signal=B:USR1`` would, and
-checks that it saves, requeues itself, resumes at the saved step and ends with the same
-weights as an uninterrupted run.
+Serial tests: signal names, and a one-rank world. The same stop under a real Slurm, signalled
+by it, is the system test ``tests/system/test_preemption_slurm.py``.
 """
 from __future__ import annotations
 
@@ -16,9 +14,7 @@ import numpy as np
 import pytest
 
 import mpidist as md
-import requeue
 from mpidist._distribute.preemption import signal_numbers
-from test_slurm import MPICH_START_FAILURE, TASKS, cluster, xfail_if_mpich_failed_to_start  # noqa: F401 (a fixture)
 
 STEPS = 20
 
@@ -134,24 +130,3 @@ def test_one_rank_stops_at_the_next_check():
         assert strategy.should_stop() and strategy.should_stop()
     finally:
         strategy.free()
-
-
-# -- the job script on a real Slurm -----------------------------------------------------------
-EPOCHS = 150  # long enough (several seconds) to be signalled while it trains
-
-
-@pytest.mark.slurm
-@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
-def test_signalled_job_saves_requeues_and_resumes_to_the_same_result(cluster, launcher, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp(f"preempt-{launcher}")
-    os.chmod(workdir, 0o755)
-    name, env = f"preempt-{launcher}", requeue.job_env(cluster.env, launcher)
-    sbatch_args = ["--nodes=1", f"--ntasks-per-node={TASKS}", "--cpus-per-task=1", *cluster.sbatch_args]
-    job_id = requeue.submit_training(env, workdir, name, workdir / name, EPOCHS, sbatch_args)
-    try:
-        started = requeue.training_started(workdir, name, EPOCHS, failed=MPICH_START_FAILURE)
-        if MPICH_START_FAILURE.search(started):
-            xfail_if_mpich_failed_to_start(started, launcher)
-        requeue.requeue_resumes_to_the_uninterrupted_result(env, job_id, workdir, name, EPOCHS, sbatch_args)
-    finally:
-        requeue.run(["scancel", job_id], 30, env=env)  # a no-op once it ended

@@ -27,7 +27,7 @@ OPS = ["sum", "mean", "min", "max", "prod"]
 
 @pytest.fixture(scope="module")
 def comm():
-    c = Communicator(MPI.COMM_WORLD, Options(pipeline_bytes=1024))
+    c = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1024))
     yield c
     c.free()
 

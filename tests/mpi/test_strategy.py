@@ -102,7 +102,7 @@ def test_run_unwraps_per_replica_and_passes_the_rest(strategy):
 def test_run_returns_variables_as_themselves(strategy):
     with strategy.scope():
         v = md.Variable(np.zeros(2), name="run_var")
-        out = strategy.run(lambda: (v, v._component, v.read_value()))
+        out = strategy.run(lambda: (v, v.component, v.read_value()))
     assert out[0] is v and out[1] is v and out[2] is v
 
 

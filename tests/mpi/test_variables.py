@@ -38,7 +38,7 @@ def strategy(request):
 
 def assert_bitwise_identical(strategy, var):
     """Gather every rank's component bytes and compare them row by row (collective)."""
-    raw = np.frombuffer(host(var._component).tobytes(), dtype=np.uint8)
+    raw = np.frombuffer(host(var.component).tobytes(), dtype=np.uint8)
     rows = strategy.gather(md.PerReplica({strategy.rank: raw[None, :]}))
     assert rows.shape[0] == strategy.num_replicas_in_sync
     for q in range(1, rows.shape[0]):
@@ -56,7 +56,7 @@ def test_creation_broadcasts_rank_zero_value(strategy):
             assert v.aggregation is Agg.NONE and v.synchronization is Sync.ON_WRITE
             assert_bitwise_identical(strategy, v)
             assert_equal(v.numpy(), rank0_rng.standard_normal((3, 4)))
-            assert type(v._component) is strategy.backend.xp.ndarray
+            assert type(v.component) is strategy.backend.xp.ndarray
 
 
 def test_creation_dtype_and_names(strategy):
@@ -85,19 +85,19 @@ def test_conversion_of_mirrored_variables_is_the_local_component(strategy):
         v = Variable(np.array([1.0, 2.0]), aggregation=Agg.SUM)
         if strategy.backend.is_gpu:
             cp = strategy.backend.xp
-            assert cp.asarray(v).data.ptr == v._component.data.ptr
-            assert v.__cuda_array_interface__["data"][0] == v._component.data.ptr
+            assert cp.asarray(v).data.ptr == v.component.data.ptr
+            assert v.__cuda_array_interface__["data"][0] == v.component.data.ptr
             assert_equal(cp.from_dlpack(v), [1.0, 2.0])
             with pytest.raises(TypeError):
                 np.asarray(v)  # no implicit device-to-host copy, as for the component itself
         else:
             a = np.asarray(v)
-            assert a.dtype == np.float64 and np.shares_memory(a, v._component)
+            assert a.dtype == np.float64 and np.shares_memory(a, v.component)
             assert_equal(np.asarray(v, dtype=np.float32), np.array([1, 2], dtype=np.float32))
             assert_equal(np.from_dlpack(v), [1.0, 2.0])
             assert not hasattr(v, "__cuda_array_interface__")
         strategy.run(lambda: v.assign_add(np.array([r + 1.0, 0.0])))
-        assert_equal(host(v.__array__()) if not strategy.backend.is_gpu else host(v._component),
+        assert_equal(host(v.__array__()) if not strategy.backend.is_gpu else host(v.component),
                      [1.0 + sum(range(1, strategy.num_replicas_in_sync + 1)), 2.0])
 
 
@@ -191,7 +191,7 @@ def test_mirrored_cross_replica_updates_apply_as_given(strategy):
         v.assign([7.0, 8.0, 9.0])
         assert_equal(v.numpy(), [7.0, 8.0, 9.0])
         out = strategy.update(v, lambda c, d: c.__imul__(d), md.Mirrored({strategy.rank: strategy.backend.asarray(2.0)}))
-        assert out is v._component
+        assert out is v.component
         assert_equal(strategy.read_var(v), [14.0, 16.0, 18.0])
         with pytest.raises(TypeError, match="PerReplica"):
             strategy.update(v, lambda c, d: None, md.PerReplica({strategy.rank: 1.0}))
@@ -219,7 +219,7 @@ def test_sync_on_read_local_updates_and_reduced_reads(strategy, agg):
             return v.read_value()
 
         local = strategy.run(step)
-        assert_equal(local.get() if isinstance(local, md.PerReplica) else local._component,
+        assert_equal(local.get() if isinstance(local, md.PerReplica) else local.component,
                                       [r + 1.0, 0.5])
         components = [np.array([q + 1.0, 0.5]) for q in range(n)]
         want = {Agg.SUM: sum(components), Agg.NONE: sum(components), Agg.MEAN: sum(components) / n,
@@ -228,7 +228,7 @@ def test_sync_on_read_local_updates_and_reduced_reads(strategy, agg):
             assert_close(v.read_value(), want)
             assert_close(v.numpy(), want)
             assert_close(strategy.read_var(v), want)
-        assert_equal(v._component, [r + 1.0, 0.5])  # reading changed nothing
+        assert_equal(v.component, [r + 1.0, 0.5])  # reading changed nothing
 
 
 @pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN, Agg.NONE, Agg.ONLY_FIRST_REPLICA])
@@ -237,7 +237,7 @@ def test_sync_on_read_cross_replica_assign(strategy, agg):
     with strategy.scope():
         v = Variable(np.zeros(3), name="sor_assign", synchronization=Sync.ON_READ, aggregation=agg)
         v.assign(np.array([3.0, 6.0, 9.0]))
-        assert_close(v._component, np.array([3.0, 6.0, 9.0]) / (n if agg is Agg.SUM else 1))
+        assert_close(v.component, np.array([3.0, 6.0, 9.0]) / (n if agg is Agg.SUM else 1))
         # NONE reads as SUM, so a value assigned unchanged to every component reads back n times.
         assert_close(v.read_value(), np.array([3.0, 6.0, 9.0]) * (n if agg is Agg.NONE else 1))
         with pytest.raises(RuntimeError, match="only allowed in replica context"):
@@ -252,7 +252,7 @@ def test_integer_sum_counter_splits_exactly(strategy):
         c = Variable(np.zeros(3, dtype=np.int64), name="count", synchronization=Sync.ON_READ, aggregation=Agg.SUM)
         c.assign(np.array([10, 1, 0]))
         shares = [np.array([10 // n + (q < 10 % n), 1 // n + (q < 1 % n), 0]) for q in range(n)]
-        assert_equal(c._component, shares[r])
+        assert_equal(c.component, shares[r])
         assert_equal(c.read_value(), [10, 1, 0])
         strategy.run(lambda: c.assign_add(np.array([1, 1, 1])))
         assert_equal(c.read_value(), [10 + n, 1 + n, n])

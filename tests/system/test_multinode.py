@@ -1,21 +1,23 @@
 """MPI jobs across nodes: a cluster of network-namespace nodes on this machine (docs/multinode.md).
 
 Marked ``multinode``: CTest runs these once per MPI (``python3 tests/run.py --system``, or
-``CI=true``), with that MPI's virtual environment. ``jobs/testing/nodes-up.sh`` creates 2 nodes
+``CI=true``), with that MPI's virtual environment. ``tests/system/cluster/nodes-up.sh`` creates 2 nodes
 (own host names, addresses on a private /24, private ``/tmp``) and ``nodes-down.sh`` removes them
 afterwards, also when a test fails, and through its watchdog should this process be killed.
 
 Jobs of 2 nodes x 2 ranks start with the MPI's own ``mpiexec`` on the first node, reaching the
 second through the cluster's ssh stand-in (Open MPI: ``plm_ssh_agent``; MPICH: ``-launcher-exec``),
 under a timeout that kills the launcher's whole process tree. They run
-``tests/samples/multinode_job.py``, which writes one report per rank; expectations follow from
+``tests/helpers/samples/multinode_job.py``, which writes one report per rank; expectations follow from
 rank and size. A node is taken away mid-job by setting its link down, or by SIGKILLing its ranks.
 A Slurm with one ``slurmd`` per node runs the job scripts on both nodes, and ``jobs/train.sbatch``
-preempted, requeued and resumed there (``tests/requeue.py``).
+preempted, requeued and resumed there (``tests/helpers/requeue.py``).
 
 Not root: skipped with the reason, unless the system tests were asked for
 (``MPIDIST_TEST_SYSTEM=1``: ``tests/run.py --system``, ``CI=true``), which makes a failed set-up
-an error. Working files live under ``/var/tmp``: each node has its own ``/tmp``.
+an error. The checkout, the venv and the working files (under ``/var/tmp``) must lie where every
+node sees them, outside the paths each node has its own copy of (``/tmp``): the fixture checks
+that first (``tests/helpers/node_paths.py``) and fails every test with one line if not.
 """
 from __future__ import annotations
 
@@ -32,13 +34,13 @@ import pytest
 
 import requeue
 from mpirun import _kill_job, mpi_env, run_command
+from node_paths import WORK_ROOT, check_nodes_see
+from paths import CLUSTER, REPO, SAMPLES, STANDIN
 from test_slurm import slurm_down
 
 pytestmark = pytest.mark.multinode
 
-REPO = Path(__file__).resolve().parent.parent
-TESTING = REPO / "jobs" / "testing"
-JOB = REPO / "tests" / "samples" / "multinode_job.py"
+JOB = SAMPLES / "multinode_job.py"
 NODES, PER_NODE = 2, 2
 SIZE = NODES * PER_NODE
 DEADLINE = 3  # seconds: the collectives' timeout in the fault scenarios
@@ -54,7 +56,7 @@ def _flavour() -> str:
 
 def _work_dir(prefix: str) -> Path:
     """A folder every node sees (not under /tmp)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=WORK_ROOT))
     path.chmod(0o755)
     return path
 
@@ -107,12 +109,15 @@ def cluster():
     if os.geteuid() != 0:
         asked = os.environ.get("MPIDIST_TEST_SYSTEM") == "1"
         (pytest.fail if asked else pytest.skip)("a cluster of network-namespace nodes needs root "
-                                                "(jobs/testing/nodes-up.sh creates namespaces and a bridge)")
+                                                "(tests/system/cluster/nodes-up.sh creates namespaces and a bridge)")
+    unseen = check_nodes_see()
+    if unseen is not None:
+        pytest.fail(f"multinode: {unseen}", pytrace=False)
     state = _work_dir("mpidist-nodes-") / "cluster"
     env = dict(os.environ, MPIDIST_NODES=str(NODES), MPIDIST_NODES_SLOTS=str(PER_NODE),
                MPIDIST_NODES_OWNER_PID=str(os.getpid()))
     start = time.monotonic()
-    up = subprocess.run(["bash", str(TESTING / "nodes-up.sh"), str(state)], capture_output=True, text=True,
+    up = subprocess.run(["bash", str(CLUSTER / "nodes-up.sh"), str(state)], capture_output=True, text=True,
                         timeout=120, env=env, stdin=subprocess.DEVNULL)
     if up.returncode != 0:
         state.parent.rmdir() if not state.exists() else None
@@ -121,7 +126,7 @@ def cluster():
     try:
         yield Cluster(state)
     finally:
-        down = subprocess.run(["bash", str(TESTING / "nodes-down.sh"), str(state)], capture_output=True,
+        down = subprocess.run(["bash", str(CLUSTER / "nodes-down.sh"), str(state)], capture_output=True,
                               text=True, timeout=60, stdin=subprocess.DEVNULL)
         os.rmdir(state.parent)
         assert down.returncode == 0, f"nodes-down.sh exited {down.returncode}:\n{down.stdout}\n{down.stderr}"
@@ -150,7 +155,9 @@ def test_doctor_sees_two_nodes(cluster):
                          JOB_TIMEOUT, env=cluster.environment(), cwd=REPO)
     assert result.returncode == 0, result.describe()
     assert f"mpidist doctor: {SIZE} ranks on {NODES} nodes" in result.stdout, result.describe()
-    placement = "; ".join(f"{name}: {k * PER_NODE}-{k * PER_NODE + PER_NODE - 1}" for k, name in enumerate(cluster.names))
+    placement = "; ".join(
+        f"{name}: {k * PER_NODE}-{k * PER_NODE + PER_NODE - 1}" for k, name in enumerate(cluster.names)
+    )
     assert placement in result.stdout, result.describe()
 
 
@@ -159,7 +166,7 @@ def test_values_reductions_input_and_checkpoints_across_nodes(cluster, out, devi
     extra = {"MULTINODE_OUT": str(out), "MULTINODE_CKPT": str(out / "ckpt")}
     if device == "standin":  # the CuPy stand-in: one "GPU" per node-local rank
         extra.update(MULTINODE_DEVICE="gpu", MPIDIST_STANDIN_GPUS=str(PER_NODE),
-                     PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "standin"), os.environ.get("PYTHONPATH", "")]))
+                     PYTHONPATH=os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]))
     result = run_command([*cluster.launcher(), sys.executable, JOB, "basics"], JOB_TIMEOUT,
                          env=cluster.environment(**extra), cwd=REPO)
     found = reports(out)
@@ -296,7 +303,7 @@ def slurm(cluster):
     state = _work_dir("mpidist-slurm-")
     env = dict(os.environ, MPIDIST_SLURM_NODES_DIR=str(cluster.state), MPIDIST_SLURM_CPUS=str(PER_NODE),
                MPIDIST_SLURM_GPUS=str(PER_NODE), MPIDIST_SLURM_OWNER_PID=str(os.getpid()))
-    up = subprocess.run(["bash", str(TESTING / "slurm-up.sh"), str(state)], capture_output=True, text=True,
+    up = subprocess.run(["bash", str(CLUSTER / "slurm-up.sh"), str(state)], capture_output=True, text=True,
                         timeout=900, env=env, stdin=subprocess.DEVNULL)
     if up.returncode != 0:
         subprocess.run(["rm", "-rf", str(state)], timeout=60)
@@ -313,7 +320,10 @@ SLURM_JOBS = [("train", "srun"), ("train", "mpiexec"), ("tests", "srun"), ("test
 
 @pytest.fixture(scope="module")
 def slurm_finished(slurm, cluster):
-    """Submit train.sbatch and tests.sbatch on 2 nodes x 2 tasks under each launcher; {(script, launcher): (fields, output)}."""
+    """Submit train.sbatch and tests.sbatch on 2 nodes x 2 tasks under each launcher.
+
+    Returns {(script, launcher): (fields, output)}.
+    """
     from test_slurm import FINAL_STATES, _scontrol_jobs
 
     workdir = _work_dir("mpidist-slurm-jobs-")
@@ -322,7 +332,7 @@ def slurm_finished(slurm, cluster):
         for script, launcher in SLURM_JOBS:
             env = requeue.job_env(slurm, launcher)
             args = (["--epochs", "1", "--checkpoint-dir", str(workdir / f"ckpt-{launcher}")] if script == "train"
-                    else [str(REPO / "tests" / "test_strategy.py"), "-k", "reduce"])
+                    else [str(REPO / "tests" / "mpi" / "test_strategy.py"), "-k", "reduce"])
             command = ["sbatch", "--parsable", f"--job-name=mpidist-{script}-{launcher}", "--time=5",
                        f"--output={workdir}/{script}-{launcher}.out", *SLURM_TASKS,
                        str(REPO / "jobs" / f"{script}.sbatch"), *args]
@@ -350,10 +360,11 @@ def slurm_finished(slurm, cluster):
         subprocess.run(["rm", "-rf", str(workdir)], timeout=60)
 
 
-@pytest.mark.parametrize("script,launcher", SLURM_JOBS, ids=[f"{s}-{l}" for s, l in SLURM_JOBS])
+@pytest.mark.parametrize("script,launcher", SLURM_JOBS, ids=[f"{s}-{launcher}" for s, launcher in SLURM_JOBS])
 def test_slurm_jobs_on_two_nodes(slurm_finished, script, launcher):
     fields, output = slurm_finished[(script, launcher)]
-    report = f"JobState={fields.get('JobState')} ExitCode={fields.get('ExitCode')}\n--- output ---\n{output[:2500]}\n...\n{output[-2500:]}"
+    state = f"JobState={fields.get('JobState')} ExitCode={fields.get('ExitCode')}"
+    report = f"{state}\n--- output ---\n{output[:2500]}\n...\n{output[-2500:]}"
     assert fields.get("JobState") == "COMPLETED" and fields.get("ExitCode") == "0:0", report
     # The world-size check saw every task, one rank per (stand-in) GPU on each node.
     assert f"mpidist doctor: {SIZE} ranks on {NODES} nodes" in output, report

@@ -4,9 +4,9 @@ Marked ``slurm``: CTest runs these once per MPI (``python3 tests/run.py``), with
 virtual environment. The cluster:
 
 - when ``CI`` is set, or no ``sbatch`` is installed, or no Slurm controller answers: a one-node
-  cluster of this machine's own, brought up by ``jobs/testing/slurm-up.sh`` (as root; it
+  cluster of this machine's own, brought up by ``tests/system/cluster/slurm-up.sh`` (as root; it
   installs Debian's Slurm packages when missing) and always torn down by
-  ``jobs/testing/slurm-down.sh``, also when a test fails, and by the script's watchdog should
+  ``tests/system/cluster/slurm-down.sh``, also when a test fails, and by the script's watchdog should
   this process be killed;
 - otherwise the Slurm that ``sbatch`` reaches (extra ``sbatch`` options, such as
   ``--partition`` or ``--account``, come from ``MPIDIST_TEST_SBATCH_ARGS``).
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import pytest
 
+from paths import CLUSTER, JOBS, REPO
+
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parent.parent
-JOBS = REPO / "jobs"
 UP_TIMEOUT = 900  # seconds; includes installing the Slurm packages with apt-get
 DOWN_TIMEOUT = 60
 JOBS_TIMEOUT = 300  # all jobs together
@@ -61,7 +61,7 @@ def slurm_down(state: Path, env) -> None:
         if text.isdigit():
             daemons[f.name] = int(text)
     start = time.monotonic()
-    down = _run(["bash", JOBS / "testing" / "slurm-down.sh", state], DOWN_TIMEOUT, env=env)
+    down = _run(["bash", CLUSTER / "slurm-down.sh", state], DOWN_TIMEOUT, env=env)
     print(f"test cluster down in {time.monotonic() - start:.1f} s")
     assert down.returncode == 0, f"slurm-down.sh exited {down.returncode}:\n{down.stdout}\n{down.stderr}"
     left = {name: pid for name, pid in daemons.items() if _running(pid)}
@@ -111,11 +111,11 @@ def cluster():
         asked = os.environ.get("MPIDIST_TEST_SYSTEM") == "1"  # then a missing cluster is a failure
         (pytest.fail if asked else pytest.skip)("no Slurm answers here and bringing up a test cluster needs "
                                                 "root (run as root, or on a machine with Slurm: see "
-                                                "jobs/testing/slurm-up.sh)")
+                                                "tests/system/cluster/slurm-up.sh)")
     env["MPIDIST_SLURM_OWNER_PID"] = str(os.getpid())  # its watchdog tears down if we are killed
     env["MPIDIST_SLURM_GPUS"] = str(TASKS)
     start = time.monotonic()
-    up = _run(["bash", JOBS / "testing" / "slurm-up.sh"], UP_TIMEOUT, env=env)
+    up = _run(["bash", CLUSTER / "slurm-up.sh"], UP_TIMEOUT, env=env)
     match = re.search(r"^export SLURM_CONF=(.+)$", up.stdout, re.M)
     if up.returncode != 0 or not match:
         pytest.fail(f"slurm-up.sh exited {up.returncode}:\n{up.stdout}\n{up.stderr}")
@@ -153,7 +153,7 @@ def _jobs(flavour: str, workdir: Path) -> list[Job]:
             "mpiexec": r"launcher\s+mpiexec \(" + ("Open MPI" if flavour == "openmpi" else "MPICH") + r"\b"}
     world = rf"mpidist doctor: {TASKS} ranks on 1 node"
     ckpt = ["--checkpoint-dir", str(workdir / "ckpt")]
-    quick_tests = [str(REPO / "tests" / "test_strategy.py"), "-k", "reduce"]
+    quick_tests = [str(REPO / "tests" / "mpi" / "test_strategy.py"), "-k", "reduce"]
 
     def bench(launcher):  # the smallest run of `python -m mpidist bench`: a few small allreduces
         return ["--cases", "sweep", "--max-bytes", "4096", "--repeats", "3", "--no-torch",

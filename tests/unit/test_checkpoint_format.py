@@ -1,7 +1,7 @@
 """Checkpoint format, checksums, atomicity and the inspect command, without an MPI test run.
 
 Checkpoints are written in this process by a one-rank strategy over COMM_SELF; the
-atomicity tests start real ``mpiexec`` jobs (tests/samples/checkpoint_save_job.py) and kill
+atomicity tests start real ``mpiexec`` jobs (tests/helpers/samples/checkpoint_save_job.py) and kill
 their ranks with SIGKILL in the middle of a save.
 """
 from __future__ import annotations
@@ -29,8 +29,9 @@ from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._tools.cli import main as cli
 from mpidist._errors import CheckpointError, ChecksumError
 from mpirun import run_mpi
+from paths import SAMPLES
 
-JOB = Path(__file__).resolve().parent / "samples" / "checkpoint_save_job.py"
+JOB = SAMPLES / "checkpoint_save_job.py"
 TIMEOUT = 60
 
 

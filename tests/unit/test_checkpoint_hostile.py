@@ -1,6 +1,6 @@
 """Hostile checkpoints: crafted manifests, links, FIFOs and directories where data files should be.
 
-Each crafted save is read in a subprocess (tests/samples/checkpoint_read_job.py) whose address
+Each crafted save is read in a subprocess (tests/helpers/samples/checkpoint_read_job.py) whose address
 space may grow by at most 1 GiB and which must finish within a deadline: the reader must raise a
 clean ``CheckpointError`` (or ``FileNotFoundError``), and ``checkpoint inspect`` must exit with 1
 (damaged) or 3 (malformed or unreadable) on one line, never with a traceback, a hang or a
@@ -25,7 +25,9 @@ import mpidist
 from mpidist._checkpoint import format as fmt
 from mpidist._checkpoint.checkpoint import Checkpoint
 
-JOB = Path(__file__).resolve().parent / "samples" / "checkpoint_read_job.py"
+from paths import SAMPLES
+
+JOB = SAMPLES / "checkpoint_read_job.py"
 MEMORY_LIMIT = 1 << 30
 DEADLINE = 120
 

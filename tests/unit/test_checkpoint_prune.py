@@ -1,6 +1,6 @@
 """Removal of old saves killed with SIGKILL at every step: no half-deleted save is ever listed.
 
-Each run of tests/samples/checkpoint_prune_job.py keeps saves 1-3, then makes save 4 with
+Each run of tests/helpers/samples/checkpoint_prune_job.py keeps saves 1-3, then makes save 4 with
 keep=1 and kills itself at the N-th rename, unlink or rmdir of the removal of saves 1-3 and
 of a leftover. Whatever N, every listed save must be complete and hold its own values, and
 the next save removes every leftover.
@@ -19,7 +19,9 @@ from mpidist._checkpoint import format as fmt
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._checkpoint.reader import Save, inspect
 
-JOB = Path(__file__).resolve().parent / "samples" / "checkpoint_prune_job.py"
+from paths import SAMPLES
+
+JOB = SAMPLES / "checkpoint_prune_job.py"
 TIMEOUT = 60
 
 

@@ -12,13 +12,14 @@ import inspect
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import mpidist
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+from paths import REPO
+
+DOCS = REPO / "docs"
 
 
 def _public_names():

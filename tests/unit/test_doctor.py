@@ -1,7 +1,7 @@
 """``python -m mpidist doctor``: the report, its warnings, and the node-local rank it relies on.
 
 Serial tests: :func:`diagnose` and :func:`format_report` on made-up reports; the doctor itself
-under a real ``mpiexec`` (``tests/mpirun.py``), at 3 ranks and with a wrong ``--expect-ranks``.
+under a real ``mpiexec`` (``tests/helpers/mpirun.py``), at 3 ranks and with a wrong ``--expect-ranks``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidist._tools import doctor as _doctor
-from mpidist._comm import hierarchy as _hierarchy
+from mpidist._comm import topology as _topology
 from mpirun import run_mpi
 
 TIMEOUT = 60
@@ -151,7 +151,7 @@ def test_node_split_falls_back_to_host_name_and_slurm_localid(monkeypatch, local
     else:
         monkeypatch.setenv("SLURM_LOCALID", local_id)
     fake = _NoSharedMemorySplit(MPI.COMM_WORLD)
-    node = _hierarchy.node_split(fake)
+    node = _topology.node_split(fake)
     try:
         assert fake.split_args == (0, 0)  # one host: color 0; key SLURM_LOCALID, else the rank
         assert (node.rank, node.size) == (0, 1)
@@ -160,7 +160,7 @@ def test_node_split_falls_back_to_host_name_and_slurm_localid(monkeypatch, local
 
 
 def test_node_split_uses_shared_memory_when_available():
-    node = _hierarchy.node_split(MPI.COMM_WORLD)
+    node = _topology.node_split(MPI.COMM_WORLD)
     try:
         assert (node.rank, node.size) == (0, 1)
     finally:

@@ -1,7 +1,7 @@
 """The training example, ``python -m mpidist.examples.train_digits``: it learns, the same at any
 number of ranks, resumes from its checkpoints, and explains every option.
 
-Each run is a real ``mpiexec`` job (``tests/mpirun.py``); the whole file takes a few seconds.
+Each run is a real ``mpiexec`` job (``tests/helpers/mpirun.py``); the whole file takes a few seconds.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Errors instead of hangs (api-contract C8), checked on whole jobs under a real ``mpiexec``.
 
-Each test launches ``tests/samples/fault_job.py`` as its own MPI job, under a
+Each test launches ``tests/helpers/samples/fault_job.py`` as its own MPI job, under a
 timeout, with a plain ``mpiexec -n N python script.py`` (no ``-m mpi4py``), so
 what is checked is mpidist's own behaviour.
 """
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from mpirun import run_command, run_mpi
+from paths import SAMPLES
 
-JOB = str(Path(__file__).resolve().parent / "samples" / "fault_job.py")
+JOB = str(SAMPLES / "fault_job.py")
 
 
 def launch(n, scenario, out_dir, **env):
@@ -39,7 +40,8 @@ def test_rank_skipping_a_collective_is_named_within_the_timeout(tmp_path):
     result, seen = launch(3, "skip_collective", tmp_path, FAULT_TIMEOUT=str(timeout))
     assert seen.get(1) == "skipped the collective", result.describe()
     for rank in (0, 2):
-        match = re.match(r"CollectiveTimeoutError after ([\d.]+) s missing=\[1\]: .*rank 1 has not arrived", seen.get(rank, ""))
+        pattern = r"CollectiveTimeoutError after ([\d.]+) s missing=\[1\]: .*rank 1 has not arrived"
+        match = re.match(pattern, seen.get(rank, ""))
         assert match, result.describe()
         assert timeout <= float(match.group(1)) <= timeout + 5, result.describe()
 

@@ -1,6 +1,6 @@
 """The scripts in ``jobs/`` that run without Slurm, and what every batch script must contain.
 
-``tests/test_slurm.py`` submits the batch scripts to a real Slurm; here, serially: shell syntax,
+``tests/system/test_slurm.py`` submits the batch scripts to a real Slurm; here, serially: shell syntax,
 the shared launch logic of ``jobs/launch.sh`` (the world-size check, the env files), the
 one-rank-per-GPU layout of each batch script, and ``jobs/mpirun.sh`` under the MPI of this environment.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from mpirun import read_env_file, run_command
+from paths import CLUSTER, JOBS
 
-JOBS = Path(__file__).resolve().parent.parent / "jobs"
 BATCH = sorted(JOBS.glob("*.sbatch"))
 TIMEOUT = 60
 
@@ -30,7 +30,7 @@ def _directives(script: Path) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("script", [*BATCH, JOBS / "mpirun.sh", JOBS / "launch.sh", *sorted((JOBS / "testing").glob("*.sh"))],
+@pytest.mark.parametrize("script", [*BATCH, JOBS / "mpirun.sh", JOBS / "launch.sh", *sorted(CLUSTER.glob("*.sh"))],
                          ids=lambda p: p.name)
 def test_shell_syntax(script):
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=TIMEOUT)

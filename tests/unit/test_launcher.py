@@ -1,7 +1,7 @@
 """How a whole MPI job ends, with a real ``mpiexec``: a failure on any rank fails the job.
 
-The jobs run pytest files from ``tests/samples/``, which normal runs do not collect (the
-names do not match ``test_*.py`` and ``setup.cfg`` lists ``samples`` in ``norecursedirs``);
+The jobs run pytest files from ``tests/helpers/samples/``, which normal runs do not collect (the
+names do not match ``test_*.py`` and ``setup.cfg`` lists ``helpers`` in ``norecursedirs``);
 some of them fail on purpose. These tests are serial: each starts its own ``mpiexec``.
 """
 import os
@@ -13,8 +13,8 @@ import pytest
 
 import mpirun
 from mpirun import mpi_env, mpiexec_command, run_mpi
+from paths import SAMPLES
 
-SAMPLES = Path(__file__).resolve().parent / "samples"
 TIMEOUT = 60  # seconds; each job below takes 1 to 3
 
 
@@ -95,16 +95,3 @@ def test_mpi_flavour_of_this_environments_mpiexec():
     if Path(launcher).name not in ("mpiexec", "mpirun"):
         pytest.skip(f"the launcher is {launcher}, not an MPI library's mpiexec")
     assert mpirun.mpi_flavour(launcher) in ("openmpi", "mpich"), launcher
-
-
-def test_runner_counts_a_test_failed_on_any_rank(tmp_path):
-    import run  # tests/run.py
-
-    case = '<testcase classname="t" name="{}">{}</testcase>'
-    ranks = [[("a", ""), ("b", ""), ("c", "<skipped/>")], [("a", ""), ("b", "<failure/>"), ("c", "<skipped/>")]]
-    (tmp_path / "junit").mkdir()
-    for rank, cases in enumerate(ranks):
-        body = "".join(case.format(name, child) for name, child in cases)
-        (tmp_path / "junit" / f"mpi-np2.rank{rank}.xml").write_text(f"<testsuites><testsuite>{body}</testsuite></testsuites>")
-    assert run.pytest_counts(tmp_path, "mpi-np2") == {"passed": 1, "failed": 1, "skipped": 1}
-    assert run.pytest_counts(tmp_path, "mpi-np1") == {}

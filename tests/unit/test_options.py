@@ -10,16 +10,16 @@ from mpidist._errors import format_ranks
 
 
 def test_options_precedence_keyword_over_environment_over_default():
-    env = {"MPIDIST_TIMEOUT": "30", "MPIDIST_PIPELINE_BYTES": "65536", "MPIDIST_DEVICE": "CPU"}
+    env = {"MPIDIST_TIMEOUT": "30", "MPIDIST_PIECE_BYTES": "65536", "MPIDIST_DEVICE": "CPU"}
     opts = Options.resolve(env=env, timeout=5)
-    assert opts.timeout == 5 and opts.pipeline_bytes == 65536 and opts.device == "cpu"
+    assert opts.timeout == 5 and opts.piece_bytes == 65536 and opts.device == "cpu"
     assert Options.resolve(env={}) == Options()
     assert Options.resolve(env={"MPIDIST_TIMEOUT": "off"}).timeout is None
 
 
 @pytest.mark.parametrize("kwargs, text", [
     ({"timeout": -1}, "timeout must be a positive"),
-    ({"pipeline_bytes": 10}, "pipeline_bytes must be at least 1024"),
+    ({"piece_bytes": 10}, "piece_bytes must be at least 1024"),
     ({"device": "tpu"}, "expected one of auto, cpu, gpu"),
     ({"cuda_aware": "maybe"}, "expected one of auto, 1, 0"),
     ({"colour": 1}, "unknown mpidist option"),
@@ -31,7 +31,7 @@ def test_options_reject_bad_values(kwargs, text):
 
 @pytest.mark.parametrize("kwargs, text", [
     ({"timeout": True}, "option timeout must be a number of seconds or None, got True"),
-    ({"pipeline_bytes": 2.5e6}, "option pipeline_bytes must be an integer"),
+    ({"piece_bytes": 2.5e6}, "option piece_bytes must be an integer"),
     ({"check_collectives": "no"}, "option check_collectives must be True or False, got 'no'"),
     ({"node_size": 2.0}, "option node_size must be an integer"),
     ({"hierarchical": 1}, "option hierarchical must be True or False"),
@@ -39,6 +39,27 @@ def test_options_reject_bad_values(kwargs, text):
 def test_options_of_the_wrong_type_raise_type_error_naming_the_option(kwargs, text):
     with pytest.raises(TypeError, match=text):
         Options.resolve(env={}, **kwargs)
+
+
+def test_former_name_pipeline_bytes_still_works_and_warns():
+    """``pipeline_bytes`` / ``MPIDIST_PIPELINE_BYTES`` were renamed ``piece_bytes`` / ``MPIDIST_PIECE_BYTES``."""
+    with pytest.warns(DeprecationWarning, match="option pipeline_bytes is deprecated: it was renamed piece_bytes"):
+        assert Options.resolve(env={}, pipeline_bytes=4096).piece_bytes == 4096
+    with pytest.warns(DeprecationWarning, match="option pipeline_bytes is deprecated: it was renamed piece_bytes"):
+        assert Options(pipeline_bytes=8192) == Options(piece_bytes=8192)
+    old, new = "MPIDIST_PIPELINE_BYTES", "MPIDIST_PIECE_BYTES"
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: it was renamed {new}"):
+        assert Options.resolve(env={old: "65536"}).piece_bytes == 65536
+    with pytest.warns(DeprecationWarning, match=old):  # the new variable wins
+        assert Options.resolve(env={old: "65536", new: "4096"}).piece_bytes == 4096
+    with pytest.warns(DeprecationWarning, match="Options.pipeline_bytes is deprecated: it was renamed piece_bytes"):
+        assert Options(piece_bytes=2048).pipeline_bytes == 2048
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="pass only piece_bytes"):
+        Options.resolve(env={}, pipeline_bytes=4096, piece_bytes=8192)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="pass only piece_bytes"):
+        Options(pipeline_bytes=4096, piece_bytes=8192)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="piece_bytes must be at least 1024"):
+        Options.resolve(env={}, pipeline_bytes=10)
 
 
 def test_default_deadline_is_finite_and_zero_turns_it_off():

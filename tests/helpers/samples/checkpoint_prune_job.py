@@ -1,5 +1,5 @@
 """A checkpoint save whose pruning is killed (SIGKILL) at its N-th file-system step; run by
-tests/test_checkpoint_prune.py.
+tests/unit/test_checkpoint_prune.py.
 
     python checkpoint_prune_job.py DIRECTORY N
 

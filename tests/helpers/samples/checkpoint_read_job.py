@@ -1,4 +1,4 @@
-"""Read crafted checkpoints under a memory limit; run by tests/test_checkpoint_hostile.py.
+"""Read crafted checkpoints under a memory limit; run by tests/unit/test_checkpoint_hostile.py.
 
     python checkpoint_read_job.py LIMIT_BYTES PATH...
 

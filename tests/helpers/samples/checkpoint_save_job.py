@@ -1,4 +1,4 @@
-"""An MPI job whose checkpoint saves are killed with SIGKILL; run by tests/test_checkpoint_format.py.
+"""An MPI job whose checkpoint saves are killed with SIGKILL; run by tests/unit/test_checkpoint_format.py.
 
     mpiexec -n N python checkpoint_save_job.py DIRECTORY MODE
 

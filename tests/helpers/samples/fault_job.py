@@ -1,4 +1,4 @@
-"""A small mpidist program that misbehaves on purpose; tests/test_faults.py launches it.
+"""A small mpidist program that misbehaves on purpose; tests/unit/test_faults.py launches it.
 
     mpiexec -n N python fault_job.py SCENARIO
 
@@ -39,7 +39,8 @@ elif scenario == "skip_collective":
             strategy.barrier()
             report("no error")
         except md.CollectiveTimeoutError as exc:
-            report(f"CollectiveTimeoutError after {time.monotonic() - started:.2f} s missing={list(exc.missing_ranks)}: {exc}")
+            seconds = time.monotonic() - started
+            report(f"CollectiveTimeoutError after {seconds:.2f} s missing={list(exc.missing_ranks)}: {exc}")
     else:
         report("skipped the collective")
         time.sleep(options["timeout"] + 1.0)  # stay alive (and away) until the others gave up

@@ -1,4 +1,4 @@
-"""An mpidist program for jobs that span several nodes; tests/test_multinode.py launches it.
+"""An mpidist program for jobs that span several nodes; tests/system/test_multinode.py launches it.
 
     mpiexec (N ranks, P per node) python multinode_job.py SCENARIO
 
@@ -94,11 +94,11 @@ def basics():
         return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
     for hierarchical in (False, True):
-        s = md.MPIStrategy(device=device, timeout=60, hierarchical=hierarchical, pipeline_bytes=4096)
+        s = md.MPIStrategy(device=device, timeout=60, hierarchical=hierarchical, piece_bytes=4096)
 
         @check(f"reduce-{'hierarchical' if hierarchical else 'flat'}")
         def _():
-            for n in (1, 7, 3000):  # one piece and several pieces of pipeline_bytes
+            for n in (1, 7, 3000):  # one piece and several pieces of piece_bytes
                 mine = xp.asarray(np.arange(n, dtype=np.float64) + rank + 1)
                 got = host(s.communicator.allreduce(mine))
                 assert np.array_equal(got, np.arange(n) * size + total), (n, got[:4])
@@ -109,7 +109,7 @@ def basics():
         s.free()
 
     for flat in (False, True):
-        s = md.MPIStrategy(device=device, timeout=60, flat_variables=flat, pipeline_bytes=2048, fusion_bytes=512)
+        s = md.MPIStrategy(device=device, timeout=60, flat_variables=flat, piece_bytes=2048, fusion_bytes=512)
 
         @check(f"update-{'flat' if flat else 'fused'}")
         def _():
@@ -123,10 +123,10 @@ def basics():
                 s.run(lambda: s.batch_update(zip(variables, grads), "assign_add"))
                 s.run(lambda: s.batch_update(zip(variables, grads), lambda w, g: w.__isub__(g * 0.5)))
             for v, shape in zip(variables, shapes):
-                component = host(v._component)
+                component = host(v.component)
                 assert component.shape == shape
                 assert np.allclose(component, 0.5 * total / size), (v.name, component.ravel()[:3])
-            digests = comm.allgather_bytes(b"".join(host(v._component).tobytes() for v in variables), name="w")
+            digests = comm.allgather_bytes(b"".join(host(v.component).tobytes() for v in variables), name="w")
             assert len(set(digests)) == 1
         s.free()
 
@@ -163,7 +163,7 @@ def basics():
             md.Checkpoint(weights=weights, counter=counter).restore(directory)
             report["restore_rchar"] = read_bytes() - before
             report["checkpoint_bytes"] = elements * 8
-            assert np.array_equal(host(weights._component), np.arange(elements, dtype=np.float64))
+            assert np.array_equal(host(weights.component), np.arange(elements, dtype=np.float64))
             with strategy.scope():
                 restored = float(host(strategy.read_var(counter)))
             assert restored == total, (restored, total)

@@ -5,7 +5,7 @@
 ``abort_on_error`` is off and every error is caught, so what ends each case is
 the agreement itself. Each rank appends one line per case to
 ``OUT_DIR/rank<R>.txt``: ``<case> <seconds> <ExceptionType>: <message>`` (or
-``<case> <seconds> ok <detail>``). tests/test_collective_safety.py reads them.
+``<case> <seconds> ok <detail>``). tests/unit/test_collective_safety.py reads them.
 """
 import gc
 import os
@@ -52,7 +52,9 @@ BAD_ARGUMENTS = {
     "read_only": lambda: comm.allreduce(_read_only(), inplace=True),
     "byte_order": lambda: comm.allreduce(mine(np.ones(3), np.ones(3, dtype=">f8"))),
     "broadcast_root": lambda: comm.broadcast(np.ones(3), root=mine(0, size + 5)),
-    "reduce_scatter_counts": lambda: comm.reduce_scatter(np.ones((size, 2)), counts=mine([1] * size, [size + 1] * size)),
+    "reduce_scatter_counts": lambda: comm.reduce_scatter(
+        np.ones((size, 2)), counts=mine([1] * size, [size + 1] * size)
+    ),
     "update_shape": lambda: strategy.run(lambda: variable.assign_add(mine(np.ones(3), np.ones(4)))),
     "reduce_op": lambda: strategy.reduce(mine("sum", "bogus"), np.ones(2)),
 }

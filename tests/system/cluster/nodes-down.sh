@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Remove a cluster started by jobs/testing/nodes-up.sh and delete its state folder.
+# Remove a cluster started by tests/system/cluster/nodes-up.sh and delete its state folder.
 #
-#   bash jobs/testing/nodes-down.sh STATE_DIR
+#   bash tests/system/cluster/nodes-down.sh STATE_DIR
 #
 # Kills every process still running on a node (anything in a node's network namespace), then the
 # node holders, deletes the namespaces, the veth pairs and the bridge. Safe to run twice, or

@@ -3,15 +3,15 @@
 # each with its own host name, /etc/hosts and private /tmp, so that MPI jobs (and slurmd, see
 # slurm-up.sh) run across nodes over TCP as on a small cluster (see docs/multinode.md).
 #
-#   bash jobs/testing/nodes-up.sh STATE_DIR      # prints: export MPIDIST_NODES_DIR=STATE_DIR
-#   bash jobs/testing/nodes-down.sh STATE_DIR
+#   bash tests/system/cluster/nodes-up.sh STATE_DIR      # prints: export MPIDIST_NODES_DIR=STATE_DIR
+#   bash tests/system/cluster/nodes-down.sh STATE_DIR
 #
-# STATE_DIR must not lie under /tmp (each node sees its own /tmp). It receives:
-#   nodes.env        NAMES, ADDRS, PIDS (one per node), SUBNET, BRIDGE, BRIDGE_ADDR, IFACE
+# STATE_DIR must not lie under NODE_PRIVATE (below: each node sees its own /tmp). It receives:
+#   nodes.env        NAMES, ADDRS, PIDS (one per node), SUBNET, BRIDGE, BRIDGE_ADDR, IFACE, NODE_PRIVATE
 #   agent            an ssh stand-in: `agent [options] NODE COMMAND...` runs COMMAND on NODE
 #   on NODE CMD...   a shorthand: `STATE_DIR/on node0 hostname`
 #   hostfile.openmpi, hostfile.mpich   every node with SLOTS slots, in each launcher's syntax
-#   nodeK/tmp        node K's /tmp
+#   nodeK/PATH       node K's own PATH, for each PATH of NODE_PRIVATE (nodeK/tmp, nodeK/etc/hosts)
 # Each node is one named network namespace (`ip netns list`) and one holder process whose UTS,
 # IPC and mount namespaces every command run on the node enters (`nsenter -t PID -n -u -i -m`);
 # the node's interface is eth0 with an address on SUBNET, and the host side of the bridge has the
@@ -27,6 +27,12 @@
 # Needs root, iproute2 and util-linux (unshare, nsenter).
 set -euo pipefail
 
+# The paths of this machine that each node mounts its own copy over (the holders below
+# bind-mount STATE_DIR/nodeK/PATH over PATH): nothing under them is shared between the nodes and
+# this machine. What a job needs on every node (the checkout, the venvs, the working files) must
+# lie elsewhere; the test suite reads this line to check that before it starts a cluster.
+NODE_PRIVATE="/tmp /etc/hosts"
+
 log() { echo "nodes-up: $*" >&2; }
 die() { log "$*"; exit 1; }
 
@@ -37,7 +43,9 @@ done
 state="${1:?usage: nodes-up.sh STATE_DIR}"
 mkdir -p "$state"
 state="$(cd "$state" && pwd)"
-case "$state/" in /tmp/*) die "STATE_DIR $state lies under /tmp, which each node replaces with its own" ;; esac
+for private in $NODE_PRIVATE; do
+  case "$state/" in "$private"/*) die "STATE_DIR $state lies under $private, which each node replaces with its own" ;; esac
+done
 [ -e "$state/nodes.env" ] && die "$state already holds a cluster (nodes-down.sh it first)"
 chmod 755 "$state"
 count="${MPIDIST_NODES:-2}"
@@ -93,6 +101,7 @@ done
   echo "BRIDGE_ADDR=$bridge_addr"
   echo "IFACE=eth0"
   echo "SLOTS=$slots"
+  echo "NODE_PRIVATE=\"$NODE_PRIVATE\""
 } > "$state/nodes.env"
 
 cleanup_on_error() {
@@ -122,14 +131,17 @@ for ((k = 0; k < count; k++)); do
   echo "VETH_$k=$veth" >> "$state/nodes.env"
 done
 
-# -- one holder process per node: host name, /etc/hosts, /tmp ---------------------------------
+# -- one holder process per node: host name, and its own copy of each NODE_PRIVATE path --------
 for ((k = 0; k < count; k++)); do
-  mkdir -p "$state/${names[k]}/tmp"
-  chmod 1777 "$state/${names[k]}/tmp"
+  node="$state/${names[k]}"
+  mkdir -p "$node/tmp" "$node/etc"
+  chmod 1777 "$node/tmp"
+  cp -p "$state/hosts" "$node/etc/hosts"
   setsid nsenter --net="/run/netns/${namespaces[k]}" unshare --uts --ipc --mount --propagation private -- \
-    bash -c 'hostname "$1" && mount --bind "$2" /tmp && mount --bind "$3" /etc/hosts && touch "$4" &&
-             exec sleep infinity' holder "${names[k]}" "$state/${names[k]}/tmp" "$state/hosts" \
-    "$state/${names[k]}/ready" </dev/null >>"$state/holders.log" 2>&1 &
+    bash -c 'hostname "$1" || exit 1
+             for path in $4; do mount --bind "$2$path" "$path" || exit 1; done
+             touch "$3" && exec sleep infinity' holder "${names[k]}" "$node" "$node/ready" "$NODE_PRIVATE" \
+    </dev/null >>"$state/holders.log" 2>&1 &
   pids+=("$!")
 done
 echo "PIDS=\"${pids[*]}\"" >> "$state/nodes.env"

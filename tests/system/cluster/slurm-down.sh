@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stop a cluster started by jobs/testing/slurm-up.sh and delete its state folder.
+# Stop a cluster started by tests/system/cluster/slurm-up.sh and delete its state folder.
 #
-#   bash jobs/testing/slurm-down.sh STATE_DIR      # the folder slurm-up.sh printed
+#   bash tests/system/cluster/slurm-down.sh STATE_DIR      # the folder slurm-up.sh printed
 #
 # Cancels every job, waits (at most 20 s) until none is left, then stops slurmd, slurmctld
 # and the munged that slurm-up.sh started (a munged that was already running is left alone),

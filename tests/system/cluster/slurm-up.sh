@@ -3,9 +3,9 @@
 # with a real sbatch (the test suite uses it; see docs/slurm.md). Needs root and Debian's or
 # Ubuntu's Slurm packages, which it installs with apt-get when they are missing.
 #
-#   bash jobs/testing/slurm-up.sh [STATE_DIR]    # prints: export SLURM_CONF=STATE_DIR/slurm.conf
-#   eval "$(bash jobs/testing/slurm-up.sh)"      # then sbatch, squeue, scontrol use that cluster
-#   bash jobs/testing/slurm-down.sh "$(dirname "$SLURM_CONF")"
+#   bash tests/system/cluster/slurm-up.sh [STATE_DIR]    # prints: export SLURM_CONF=STATE_DIR/slurm.conf
+#   eval "$(bash tests/system/cluster/slurm-up.sh)"      # then sbatch, squeue, scontrol use that cluster
+#   bash tests/system/cluster/slurm-down.sh "$(dirname "$SLURM_CONF")"
 #
 # Everything it writes (slurm.conf, state, spool, logs, PID files) lives in STATE_DIR (default:
 # a new temporary folder), so nothing under /etc/slurm changes; it also adds one symlink that
@@ -20,10 +20,10 @@
 # machine without any; their programs must then run in CPU mode (MPIDIST_DEVICE=cpu).
 # MPIDIST_SLURM_OWNER_PID: when that process ends, a watchdog stops the cluster (so a test run
 # that is killed leaves nothing running).
-# MPIDIST_SLURM_NODES_DIR: the folder of a cluster of namespace nodes (jobs/testing/nodes-up.sh):
+# MPIDIST_SLURM_NODES_DIR: the folder of a cluster of namespace nodes (tests/system/cluster/nodes-up.sh):
 # slurmctld then listens on its bridge address and every node runs its own slurmd (in the node's
 # namespaces, with its own spool, PID and log files); each node declares the CPUs and GPUs above.
-# STATE_DIR must then lie outside /tmp, which each node replaces with its own.
+# STATE_DIR must then lie outside the paths each node replaces with its own (NODE_PRIVATE: /tmp).
 # MPIDIST_SLURM_PORT: slurmctld's port (default 6817; with nodes, 6900 + the subnet's third octet).
 set -euo pipefail
 
@@ -95,10 +95,12 @@ node_names=("$host") node_addrs=(127.0.0.1)
 nodes_dir="${MPIDIST_SLURM_NODES_DIR:-}"
 if [ -n "$nodes_dir" ]; then
   [ -f "$nodes_dir/nodes.env" ] || die "MPIDIST_SLURM_NODES_DIR=$nodes_dir holds no nodes.env (see nodes-up.sh)"
-  case "$state/" in /tmp/*) die "STATE_DIR $state lies under /tmp, which each node replaces with its own" ;; esac
-  NAMES="" ADDRS="" BRIDGE_ADDR=""
+  NAMES="" ADDRS="" BRIDGE_ADDR="" NODE_PRIVATE=""
   # shellcheck disable=SC1091
   source "$nodes_dir/nodes.env"
+  for private in $NODE_PRIVATE; do
+    case "$state/" in "$private"/*) die "STATE_DIR $state lies under $private, which each node replaces with its own" ;; esac
+  done
   ctld_addr="$BRIDGE_ADDR"
   # slurmctld listens on every address: a port of its own keeps it apart from another test
   # cluster on this machine (the subnet's third octet is unique among running clusters).
@@ -119,7 +121,7 @@ if [ "$gpus" -gt 0 ]; then
   echo "Name=gpu File=${state}/dev/gpu[0-$((gpus - 1))]" > "$state/gres.conf"
 fi
 cat > "$state/slurm.conf" <<CONF
-# Written by mpidist's jobs/testing/slurm-up.sh: a one-node test cluster.
+# Written by mpidist's tests/system/cluster/slurm-up.sh: a one-node test cluster.
 ClusterName=mpidist-test
 SlurmctldHost=${host}(${ctld_addr})
 SlurmctldPort=${port}

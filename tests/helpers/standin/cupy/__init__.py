@@ -1,4 +1,4 @@
-"""A CPU stand-in for CuPy, for tests only (see tests/standin/README.md).
+"""A CPU stand-in for CuPy, for tests only (see tests/helpers/standin/README.md).
 
 Device arrays wrap a private NumPy array. They behave like CuPy's where
 mpidist depends on it: no implicit conversion to the host, explicit and
@@ -14,7 +14,7 @@ import sys
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _real_cupy() -> "str | None":
+def _real_cupy() -> str | None:
     """Where the real CuPy is, looking past this stand-in on ``sys.path``."""
     others = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
     spec = importlib.machinery.PathFinder.find_spec("cupy", others)
@@ -72,7 +72,7 @@ class ndarray:
         _init(self, np.empty(shape, dtype=dtype, order=order), None, current_device_id())
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def _root(self) -> "ndarray":
+    def _root(self) -> ndarray:
         return self if self._base is None else self._base
 
     def _wrote(self, region: Optional[np.ndarray] = None, stream: Any = None) -> None:
@@ -239,7 +239,7 @@ class ndarray:
         raise TypeError("unhashable type: 'cupy.ndarray'")
 
     # -- indexing ------------------------------------------------------------------------------
-    def __getitem__(self, key: Any) -> "ndarray":
+    def __getitem__(self, key: Any) -> ndarray:
         self._check_device()
         result = self._a[_key(key)]
         return _wrap(result, (self,))
@@ -258,12 +258,12 @@ class ndarray:
 
     # -- methods -----------------------------------------------------------------------------
     def astype(self, dtype: Any, order: str = "K", casting: Any = None, subok: Any = None,
-               copy: bool = True) -> "ndarray":
+               copy: bool = True) -> ndarray:
         if not copy and np.dtype(dtype) == self.dtype:
             return self
         return _apply(lambda a: a.astype(dtype, order=order), self)
 
-    def copy(self, order: str = "C") -> "ndarray":
+    def copy(self, order: str = "C") -> ndarray:
         return _apply(lambda a: a.copy(order=order), self)
 
     def fill(self, value: Any) -> None:
@@ -271,14 +271,14 @@ class ndarray:
         self._a.fill(value)
         self._wrote()
 
-    def reshape(self, *shape: Any, order: str = "C") -> "ndarray":
+    def reshape(self, *shape: Any, order: str = "C") -> ndarray:
         return _apply(lambda a: a.reshape(*shape, order=order), self)
 
-    def view(self, dtype: Any = None) -> "ndarray":
+    def view(self, dtype: Any = None) -> ndarray:
         return _apply(lambda a: a.view() if dtype is None else a.view(dtype), self)
 
     # -- in-place operators ---------------------------------------------------------------------
-    def _inplace(self, op: Callable[[Any, Any], Any], other: Any) -> "ndarray":
+    def _inplace(self, op: Callable[[Any, Any], Any], other: Any) -> ndarray:
         self._check_device()
         op(self._a, _unwrap(other))
         self._wrote()

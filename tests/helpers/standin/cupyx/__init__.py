@@ -1,11 +1,10 @@
-"""Stand-in ``cupyx``: pinned host arrays (see tests/standin/README.md)."""
+"""Stand-in ``cupyx``: pinned host arrays (see tests/helpers/standin/README.md)."""
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 import cupy  # noqa: F401  (refuses to load next to the real CuPy)
+import numpy as np
 from cupy.cuda import alloc_pinned_memory
 
 

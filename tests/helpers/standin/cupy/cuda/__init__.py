@@ -16,7 +16,7 @@ import weakref
 from typing import Any, Optional
 
 from cupy._ledger import LEDGER
-from cupy.cuda import runtime  # noqa: F401  (cupy.cuda.runtime)
+from cupy.cuda import runtime
 
 _local = threading.local()
 _ptrs = itertools.count(0x1000)
@@ -57,7 +57,7 @@ class Device:
     def compute_capability(self) -> str:
         return "90"
 
-    def __enter__(self) -> "Device":
+    def __enter__(self) -> Device:
         if not hasattr(_local, "devices"):
             _local.devices = []
         _local.devices.append(self.id)
@@ -80,14 +80,14 @@ class Device:
 
 
 # -- streams and events --------------------------------------------------------------------------
-_streams: "weakref.WeakSet[Stream]" = weakref.WeakSet()
-_null_streams: dict[int, "Stream"] = {}
+_streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+_null_streams: dict[int, Stream] = {}
 
 
 class Stream:
     """A queue of work on one device. ``with stream:`` makes it current in this thread."""
 
-    null: "Stream"
+    null: Stream
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
         self.device_id = current_device_id()
@@ -95,7 +95,7 @@ class Stream:
         self.ptr = 0 if null else next(_ptrs)
         self._issued = 0
         self._completed = 0
-        self._waits: list[tuple[int, "Event"]] = []  # (my ticket, event): completing it completes the event
+        self._waits: list[tuple[int, Event]] = []  # (my ticket, event): completing it completes the event
         self._lock = threading.Lock()
         _streams.add(self)
 
@@ -129,18 +129,18 @@ class Stream:
     def done(self) -> bool:
         return self._completed >= self._issued
 
-    def record(self, event: Optional["Event"] = None) -> "Event":
+    def record(self, event: Optional[Event] = None) -> Event:
         event = Event() if event is None else event
         event.record(self)
         return event
 
-    def wait_event(self, event: "Event") -> None:
+    def wait_event(self, event: Event) -> None:
         """Later work on this stream waits for ``event`` (no host blocking)."""
         ticket = self._issue()
         with self._lock:
             self._waits.append((ticket, event))
 
-    def use(self) -> "Stream":
+    def use(self) -> Stream:
         stack = _stream_stack(self.device_id)
         if stack:
             stack[-1] = self
@@ -148,7 +148,7 @@ class Stream:
             stack.append(self)
         return self
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         _stream_stack(self.device_id).append(self)
         return self
 

@@ -1,0 +1,36 @@
+"""Coordinated stops under a real Slurm (marker ``slurm``; the MPI side is ``tests/mpi/test_preemption.py``).
+
+Submits ``jobs/train.sbatch``, signals it as ``--signal=B:USR1`` would, and checks that it saves,
+requeues itself, resumes at the saved step and ends with the same weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import requeue
+import test_slurm
+from test_slurm import MPICH_START_FAILURE, TASKS, xfail_if_mpich_failed_to_start
+
+cluster = test_slurm.cluster  # the Slurm of tests/system/test_slurm.py, a fixture
+
+EPOCHS = 150  # long enough (several seconds) to be signalled while it trains
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_signalled_job_saves_requeues_and_resumes_to_the_same_result(cluster, launcher, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp(f"preempt-{launcher}")
+    os.chmod(workdir, 0o755)
+    name, env = f"preempt-{launcher}", requeue.job_env(cluster.env, launcher)
+    sbatch_args = ["--nodes=1", f"--ntasks-per-node={TASKS}", "--cpus-per-task=1", *cluster.sbatch_args]
+    job_id = requeue.submit_training(env, workdir, name, workdir / name, EPOCHS, sbatch_args)
+    try:
+        started = requeue.training_started(workdir, name, EPOCHS, failed=MPICH_START_FAILURE)
+        if MPICH_START_FAILURE.search(started):
+            xfail_if_mpich_failed_to_start(started, launcher)
+        requeue.requeue_resumes_to_the_uninterrupted_result(env, job_id, workdir, name, EPOCHS, sbatch_args)
+    finally:
+        requeue.run(["scancel", job_id], 30, env=env)  # a no-op once it ended
