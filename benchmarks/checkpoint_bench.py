@@ -24,6 +24,7 @@ is faster than NumPy.
 Put ``--dir`` on the file system you care about (a shared one for several
 nodes); the default is the system's temporary directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from pathlib import Path
-
 import zlib
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -89,8 +89,10 @@ def main() -> None:
     elements = (args.mib << 20) // 4 // args.variables
     rng = np.random.default_rng(0)
     with strategy.scope():
-        variables = {f"layer{i}": mpidist.Variable(lambda: rng.standard_normal(elements, dtype=np.float32),
-                                                   name=f"layer{i}") for i in range(args.variables)}
+        variables = {
+            f"layer{i}": mpidist.Variable(lambda: rng.standard_normal(elements, dtype=np.float32), name=f"layer{i}")
+            for i in range(args.variables)
+        }
     arrays = {name: np.asarray(v.values[0]) for name, v in variables.items()}
     nbytes = sum(a.nbytes for a in arrays.values())
     checkpoint = Checkpoint(**variables)
@@ -101,9 +103,20 @@ def main() -> None:
     def on_rank0(fn):
         return lambda: fn() if rank == 0 else None
 
-    results: dict[str, list[float]] = {k: [] for k in ("np_save", "np_save_fsync", "np_load", "save",
-                                                       "save_nofsync", "restore", "restore_new", "crc32",
-                                                       "np_load_all")}
+    results: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "np_save",
+            "np_save_fsync",
+            "np_load",
+            "save",
+            "save_nofsync",
+            "restore",
+            "restore_new",
+            "crc32",
+            "np_load_all",
+        )
+    }
     for _ in range(args.repeat):
         results["np_save"].append(timed(strategy, on_rank0(lambda: numpy_save(arrays, baseline, False))))
         results["save_nofsync"].append(timed(strategy, lambda: checkpoint.save(root / "ckpt", fsync=False)))
@@ -118,26 +131,38 @@ def main() -> None:
     if rank == 0:
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731
         if args.markdown:
-            print(f"| {size} | {nbytes >> 20} MiB | {med['np_save']:.3f} | {med['save_nofsync']:.3f} | "
-                  f"{med['save_nofsync'] / med['np_save']:.2f} | {med['np_save_fsync']:.3f} | {med['save']:.3f} | "
-                  f"{med['save'] / med['np_save_fsync']:.2f} | {med['np_load']:.3f} | {med['restore']:.3f} | "
-                  f"{med['restore'] / med['np_load']:.2f} | {med['crc32']:.3f} | {med['np_load_all']:.3f} | "
-                  f"{med['restore'] / med['np_load_all']:.2f} |")
+            print(
+                f"| {size} | {nbytes >> 20} MiB | {med['np_save']:.3f} | {med['save_nofsync']:.3f} | "
+                f"{med['save_nofsync'] / med['np_save']:.2f} | {med['np_save_fsync']:.3f} | {med['save']:.3f} | "
+                f"{med['save'] / med['np_save_fsync']:.2f} | {med['np_load']:.3f} | {med['restore']:.3f} | "
+                f"{med['restore'] / med['np_load']:.2f} | {med['crc32']:.3f} | {med['np_load_all']:.3f} | "
+                f"{med['restore'] / med['np_load_all']:.2f} |"
+            )
         else:
-            print(f"{size} rank(s), {args.variables} mirrored float32 variables, {nbytes >> 20} MiB, "
-                  f"median of {args.repeat}, directory {root}")
-            for label, ours, theirs in (("save, no fsync", "save_nofsync", "np_save"),
-                                        ("save, fsync", "save", "np_save_fsync"),
-                                        ("restore", "restore", "np_load"),
-                                        ("restore", "restore", "np_load_all"),
-                                        ("restore, new Checkpoint", "restore_new", "np_load_all")):
-                print(f"  {label:23s} mpidist {med[ours]:.3f} s ({gbs(med[ours]):.2f} GB/s)   numpy "
-                      f"{med[theirs]:.3f} s ({gbs(med[theirs]):.2f} GB/s)   ratio {med[ours] / med[theirs]:.2f}")
-            print("  (first restore line: against numpy.load on rank 0 alone; the other two: against every rank "
-                  "loading every array and CRC-32 of its bytes)")
-            print(f"  restore with verification / every rank numpy.load + CRC-32: "
-                  f"{med['restore'] / med['np_load_all']:.2f} (new Checkpoint each time: "
-                  f"{med['restore_new'] / med['np_load_all']:.2f})")
+            print(
+                f"{size} rank(s), {args.variables} mirrored float32 variables, {nbytes >> 20} MiB, "
+                f"median of {args.repeat}, directory {root}"
+            )
+            for label, ours, theirs in (
+                ("save, no fsync", "save_nofsync", "np_save"),
+                ("save, fsync", "save", "np_save_fsync"),
+                ("restore", "restore", "np_load"),
+                ("restore", "restore", "np_load_all"),
+                ("restore, new Checkpoint", "restore_new", "np_load_all"),
+            ):
+                print(
+                    f"  {label:23s} mpidist {med[ours]:.3f} s ({gbs(med[ours]):.2f} GB/s)   numpy "
+                    f"{med[theirs]:.3f} s ({gbs(med[theirs]):.2f} GB/s)   ratio {med[ours] / med[theirs]:.2f}"
+                )
+            print(
+                "  (first restore line: against numpy.load on rank 0 alone; the other two: against every rank "
+                "loading every array and CRC-32 of its bytes)"
+            )
+            print(
+                f"  restore with verification / every rank numpy.load + CRC-32: "
+                f"{med['restore'] / med['np_load_all']:.2f} (new Checkpoint each time: "
+                f"{med['restore_new'] / med['np_load_all']:.2f})"
+            )
             print(f"  for scale: CRC-32 of the same bytes in one thread takes {med['crc32']:.3f} s")
     strategy.barrier()
     if rank == 0:

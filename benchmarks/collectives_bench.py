@@ -8,6 +8,7 @@ The same as ``mpiexec -n 2 python -m mpidist bench``; see
 goals the ratios are compared with, and ``docs/benchmarks.md`` for the latest
 results. Writes ``results.json``, ``results.md`` and ``busbw.png`` to ``--out``.
 """
+
 import sys
 
 from mpidist._tools.cli import main

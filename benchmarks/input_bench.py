@@ -17,6 +17,7 @@ Prints one markdown table row per case: median over ``--repeats`` runs of the
 slowest rank's seconds per step, and its ratios against local slicing and
 against the same case with ``prefetch=0``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidist._distribute.strategy import MPIStrategy
 from mpidist._input.datasets import ArrayDataset
 from mpidist._input.factories import distribute_dataset
 from mpidist._input.prefetch import default_depth
 from mpidist._input.sharding import batch_rows, epoch_order
-from mpidist._distribute.strategy import MPIStrategy
 
 
 def parse() -> argparse.Namespace:
@@ -53,7 +54,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((num, args.features), dtype=np.float32)
     y = rng.integers(0, 10, num)
-    w1 = rng.standard_normal((args.features, args.hidden), dtype=np.float32) / args.features ** 0.5
+    w1 = rng.standard_normal((args.features, args.hidden), dtype=np.float32) / args.features**0.5
     w2 = rng.standard_normal((args.hidden, 10), dtype=np.float32)
     steps = min(args.steps, args.epoch_steps)
 
@@ -74,9 +75,13 @@ def main() -> None:
                 compute(batch[0])
         return time.perf_counter() - start
 
-    def distributed(shuffle: bool, work: bool, prefetch: "int | None", per_transfer: int) -> float:
-        dist = distribute_dataset(strategy, ArrayDataset((x, y), global_batch, shuffle=shuffle), prefetch=prefetch,
-                                  steps_per_transfer=per_transfer)
+    def distributed(shuffle: bool, work: bool, prefetch: int | None, per_transfer: int) -> float:
+        dist = distribute_dataset(
+            strategy,
+            ArrayDataset((x, y), global_batch, shuffle=shuffle),
+            prefetch=prefetch,
+            steps_per_transfer=per_transfer,
+        )
         it = iter(dist)
         start = time.perf_counter()
         for _, (xb, _labels) in zip(range(steps), it):
@@ -91,10 +96,14 @@ def main() -> None:
         return comm.allreduce(fn(*a), op=MPI.MAX) / steps
 
     if rank == 0:
-        print(f"ranks {size}, {args.batch} rows x {args.features} float32 per rank and step, {steps} steps, "
-              f"median of {args.repeats}")
-        print("| case | prefetch | steps per transfer | local slicing (us/step) | distributed (us/step) "
-              "| overhead (us/step) | vs local slicing | vs prefetch 0 |")
+        print(
+            f"ranks {size}, {args.batch} rows x {args.features} float32 per rank and step, {steps} steps, "
+            f"median of {args.repeats}"
+        )
+        print(
+            "| case | prefetch | steps per transfer | local slicing (us/step) | distributed (us/step) "
+            "| overhead (us/step) | vs local slicing | vs prefetch 0 |"
+        )
         print("|---|---|---|---|---|---|---|---|")
     groups = [(shuffle, work, (0, 2, None), 1) for shuffle in (True, False) for work in (False, True)]
     groups.append((True, False, (0, 2), 8))
@@ -111,11 +120,15 @@ def main() -> None:
             d = statistics.median(dist[prefetch])
             if rank == 0:
                 case = ("shuffled" if shuffle else "in order (views)") + (" +step" if work else "")
-                default = default_depth(strategy.communicator.backend, strategy.communicator.local_size,
-                                        views=not shuffle)
+                default = default_depth(
+                    strategy.communicator.backend, strategy.communicator.local_size, views=not shuffle
+                )
                 shown = f"default ({default})" if prefetch is None else prefetch
-                print(f"| {case} | {shown} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
-                      f"| {d / b:.2f} | {d / unprefetched:.2f} |", flush=True)
+                print(
+                    f"| {case} | {shown} | {per_transfer} | {b * 1e6:.1f} | {d * 1e6:.1f} | {(d - b) * 1e6:+.1f} "
+                    f"| {d / b:.2f} | {d / unprefetched:.2f} |",
+                    flush=True,
+                )
     strategy.free()
 
 

@@ -12,6 +12,7 @@ the other ranks sleep. One line per sample on rank 0. On a virtual machine the
 two go up and down together when the hypervisor moves the cores apart and back
 (docs/benchmarks.md, "Placement of the ranks").
 """
+
 import argparse
 import statistics
 import subprocess
@@ -43,8 +44,10 @@ def main() -> int:
             medians.append(statistics.median(times))
         allreduce, copy = (comm.allreduce(t, op=MPI.MAX) for t in medians)
         if comm.rank == 0:
-            line = (f"{time.strftime('%H:%M:%S')} allreduce {allreduce * 1e6:6.0f} us, copy {copy * 1e6:4.0f} us: "
-                    f"{allreduce / copy:5.1f} copies")
+            line = (
+                f"{time.strftime('%H:%M:%S')} allreduce {allreduce * 1e6:6.0f} us, copy {copy * 1e6:4.0f} us: "
+                f"{allreduce / copy:5.1f} copies"
+            )
             if args.core_to_core:
                 ns = subprocess.run([args.core_to_core], capture_output=True, text=True, check=True).stdout.strip()
                 line += f"   core-to-core round trip {ns} ns"

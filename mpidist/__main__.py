@@ -1,4 +1,5 @@
 """``python -m mpidist``: see :mod:`mpidist._tools.cli`."""
+
 import sys
 
 from mpidist._tools.cli import main

@@ -6,9 +6,11 @@ input, ``RuntimeError`` for a failure of the run), so both ``except`` styles
 work. Errors coming out of MPI are translated into :class:`CommError` with
 ``raise ... from`` so the original MPI error stays attached.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Optional
 
 __all__ = [
     "MpidistError",

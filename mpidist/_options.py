@@ -4,6 +4,7 @@ Precedence: an explicit keyword argument, then the environment variable, then
 the default. Unknown keywords and malformed values raise ``ValueError`` naming
 the option and the accepted values, so a typo never silently does nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -150,8 +151,10 @@ class Options:
         if pipeline_bytes is not None:
             _renamed("option pipeline_bytes", "piece_bytes", stacklevel=4)
             if self.piece_bytes not in (_PIECE_BYTES, pipeline_bytes):
-                raise ValueError(f"options piece_bytes and pipeline_bytes (its former name) disagree: "
-                                 f"{self.piece_bytes!r} and {pipeline_bytes!r}; pass only piece_bytes")
+                raise ValueError(
+                    f"options piece_bytes and pipeline_bytes (its former name) disagree: "
+                    f"{self.piece_bytes!r} and {pipeline_bytes!r}; pass only piece_bytes"
+                )
             object.__setattr__(self, "piece_bytes", pipeline_bytes)
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name))
@@ -162,8 +165,9 @@ class Options:
         if self.check_mirrored_every < 0:
             raise ValueError(f"option check_mirrored_every must be >= 0, got {self.check_mirrored_every!r}")
         if self.fusion_bytes < 0 or self.node_size < 0:
-            raise ValueError(f"options fusion_bytes and node_size must be >= 0, got {self.fusion_bytes!r} "
-                             f"and {self.node_size!r}")
+            raise ValueError(
+                f"options fusion_bytes and node_size must be >= 0, got {self.fusion_bytes!r} and {self.node_size!r}"
+            )
         if self.piece_bytes < 1024:
             raise ValueError(f"option piece_bytes must be at least 1024, got {self.piece_bytes!r}")
         for name in ("device", "cuda_aware"):
@@ -178,8 +182,9 @@ class Options:
         overrides = _new_names(overrides)
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise ValueError(f"unknown mpidist option(s) {', '.join(unknown)}; "
-                             f"known options: {', '.join(sorted(fields))}")
+            raise ValueError(
+                f"unknown mpidist option(s) {', '.join(unknown)}; known options: {', '.join(sorted(fields))}"
+            )
         values: dict[str, Any] = {}
         for name in fields:
             if name in overrides:
@@ -215,16 +220,29 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 # MPIDIST_* variables of the project's own scripts and tests, which are not options.
-_NOT_OPTIONS = ("MPIDIST_TEST_", "MPIDIST_SLURM_", "MPIDIST_MPIEXEC", "MPIDIST_LAUNCHER", "MPIDIST_SRUN_MPI",
-                "MPIDIST_VENV", "MPIDIST_JOBS", "MPIDIST_PYTEST_ARGS", "MPIDIST_MPI_ENV", "MPIDIST_CTEST_")
+_NOT_OPTIONS = (
+    "MPIDIST_TEST_",
+    "MPIDIST_SLURM_",
+    "MPIDIST_MPIEXEC",
+    "MPIDIST_LAUNCHER",
+    "MPIDIST_SRUN_MPI",
+    "MPIDIST_VENV",
+    "MPIDIST_JOBS",
+    "MPIDIST_PYTEST_ARGS",
+    "MPIDIST_MPI_ENV",
+    "MPIDIST_CTEST_",
+)
 _warned: set[str] = set()
 
 
 def _check_type(name: str, value: Any) -> None:
     types, expected = _TYPES[name]
     integral = isinstance(value, int) and not isinstance(value, bool)
-    if (bool not in types and isinstance(value, bool)) or not isinstance(value, types) or (
-            int in types and float not in types and not integral):
+    if (
+        (bool not in types and isinstance(value, bool))
+        or not isinstance(value, types)
+        or (int in types and float not in types and not integral)
+    ):
         raise TypeError(f"option {name} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
@@ -280,6 +298,8 @@ def _warn_misspelt(env: Mapping[str, str], fields: set[str]) -> None:
         close = difflib.get_close_matches(var, known, n=1, cutoff=0.8)
         if close:
             _warned.add(var)
-            warnings.warn(f"environment variable {var} is not an mpidist option; did you mean {close[0]}?",
-                          UserWarning, stacklevel=4)
-
+            warnings.warn(
+                f"environment variable {var} is not an mpidist option; did you mean {close[0]}?",
+                UserWarning,
+                stacklevel=4,
+            )

@@ -1,4 +1,5 @@
 """Human-readable quantities for messages, listings and reports. Pure, no MPI."""
+
 from __future__ import annotations
 
 __all__ = ["human_size", "human_time"]

@@ -14,6 +14,7 @@
   cores), and under ``--with-mpi`` derandomized, so every rank draws the same examples and
   reaches the same collectives.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ import pytest
 
 TEST_DEVICE = os.environ.get("MPIDIST_TEST_DEVICE", "")
 if TEST_DEVICE not in ("", "cupy", "standin"):
-    raise pytest.UsageError(f"MPIDIST_TEST_DEVICE={TEST_DEVICE!r}: expected 'standin' (the CPU stand-in "
-                            "for CuPy in tests/helpers/standin/) or 'cupy' (the installed CuPy, the default)")
+    raise pytest.UsageError(
+        f"MPIDIST_TEST_DEVICE={TEST_DEVICE!r}: expected 'standin' (the CPU stand-in "
+        "for CuPy in tests/helpers/standin/) or 'cupy' (the installed CuPy, the default)"
+    )
 if TEST_DEVICE == "standin":  # before any test module imports cupy
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "standin"))
 

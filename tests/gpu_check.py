@@ -17,6 +17,7 @@ Steps, each under a timeout:
 With ``MPIDIST_TEST_DEVICE=standin`` it runs against the CPU stand-in for CuPy
 (tests/helpers/standin/), CUDA-aware included, with sizes up to 4 MiB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -133,7 +134,7 @@ def _launch(ranks: int, args: list[str], timeout: float, **env: str) -> tuple[in
 def _result(output: str) -> object:
     for line in output.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     return None
 
 
@@ -154,8 +155,10 @@ def main() -> int:
         try:
             import cupy  # noqa: F401  (the installed CuPy; this command never installs anything)
         except ImportError as exc:
-            print(f"gpu_check: CuPy is not importable ({exc}); install the CuPy for this node's CUDA "
-                  "(pip install 'mpidist[cuda12]' or 'mpidist[cuda13]'), or set MPIDIST_TEST_DEVICE=standin")
+            print(
+                f"gpu_check: CuPy is not importable ({exc}); install the CuPy for this node's CUDA "
+                "(pip install 'mpidist[cuda12]' or 'mpidist[cuda13]'), or set MPIDIST_TEST_DEVICE=standin"
+            )
             return 2
 
     rc, out, secs = _launch(args.ranks, ["-c", _PROBE], args.timeout, MPIDIST_CUDA_AWARE="auto")
@@ -179,9 +182,24 @@ def main() -> int:
 
     ok = True
     for mode, setting in modes.items():
-        rc, out, secs = _launch(args.ranks, ["-m", "pytest", "--with-mpi", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                             "--color=no", "--timeout=300", "tests"], args.timeout,
-                                MPIDIST_CUDA_AWARE=setting)
+        rc, out, secs = _launch(
+            args.ranks,
+            [
+                "-m",
+                "pytest",
+                "--with-mpi",
+                "-q",
+                "-m",
+                "gpu",
+                "-p",
+                "no:cacheprovider",
+                "--color=no",
+                "--timeout=300",
+                "tests",
+            ],
+            args.timeout,
+            MPIDIST_CUDA_AWARE=setting,
+        )
         summary["steps"][f"tests ({mode})"] = {"rc": rc, "seconds": round(secs, 1), "summary": _summary_line(out)}
         if rc != 0:
             ok = False
@@ -194,10 +212,14 @@ def main() -> int:
         ok = False
         print(out[-4000:])
 
-    print(f"\n== mpidist GPU check: {summary['device']}, {args.ranks} ranks, {probe['gpus']} GPU(s) visible, "
-          f"CuPy {probe['cupy']}, {probe['mpi']}")
-    print(f"transfer path with MPIDIST_CUDA_AWARE=auto: {'CUDA-aware' if probe['enabled'] else 'staged'} "
-          f"({probe['reason']})")
+    print(
+        f"\n== mpidist GPU check: {summary['device']}, {args.ranks} ranks, {probe['gpus']} GPU(s) visible, "
+        f"CuPy {probe['cupy']}, {probe['mpi']}"
+    )
+    print(
+        f"transfer path with MPIDIST_CUDA_AWARE=auto: {'CUDA-aware' if probe['enabled'] else 'staged'} "
+        f"({probe['reason']})"
+    )
     for name, step in summary["steps"].items():
         if name.startswith("tests"):
             print(f"{name}: {'ok' if step['rc'] == 0 else 'FAILED'} - {step['summary']} ({step['seconds']} s)")
@@ -208,8 +230,10 @@ def main() -> int:
         for row in rows:
             size = row["bytes"]
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            print(f"{row['mode']:<11} {label:>9} {row['raw_busbw_GBs']:>8.2f}GB/s {row['mpidist_busbw_GBs']:>8.2f}GB/s "
-                  f"{row['mpidist_s'] / row['raw_s']:>16.2f}x")
+            print(
+                f"{row['mode']:<11} {label:>9} {row['raw_busbw_GBs']:>8.2f}GB/s {row['mpidist_busbw_GBs']:>8.2f}GB/s "
+                f"{row['mpidist_s'] / row['raw_s']:>16.2f}x"
+            )
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)
     print(f"summary written to {args.out}; {'all steps passed' if ok else 'SOME STEPS FAILED'}")

@@ -45,19 +45,20 @@ directly, with no further copy. A failure on any rank
 raises the same exception type on every rank (never a hang) and leaves
 every variable, array and iterator as it was.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import warnings
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from mpidist._checkpoint import format as fmt
-from mpidist._checkpoint import validate
+from mpidist._checkpoint import format as fmt, validate
 from mpidist._checkpoint.reader import Save, read_checkpoint
 from mpidist._comm.communicator import describe_failures
 from mpidist._distribute.context import get_replica_context, get_strategy
@@ -88,8 +89,10 @@ def _kind(name: str, obj: Any) -> str:
         return fmt.ARRAY
     if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
         return fmt.STATE
-    raise TypeError(f"Checkpoint item {name!r} is a {type(obj).__name__}; a checkpoint holds mpidist variables, "
-                    "NumPy arrays (use a 0-d array for a counter) and objects with get_state() and set_state()")
+    raise TypeError(
+        f"Checkpoint item {name!r} is a {type(obj).__name__}; a checkpoint holds mpidist variables, "
+        "NumPy arrays (use a 0-d array for a counter) and objects with get_state() and set_state()"
+    )
 
 
 def _error_record(exc: BaseException) -> dict:
@@ -107,7 +110,7 @@ class _Protocol:
     failed rank, with a message naming every failed rank and what failed there.
     """
 
-    def __init__(self, strategy: "MPIStrategy", what: str) -> None:
+    def __init__(self, strategy: MPIStrategy, what: str) -> None:
         self.comm = strategy.communicator
         self.rank, self.size = strategy.rank, strategy.num_replicas_in_sync
         self.what = what
@@ -140,9 +143,11 @@ class _Protocol:
         """Raise ``ValueError`` (on every rank: all see the same list) unless all ranks described the same."""
         differ = [r for r, d in enumerate(descriptions) if d != descriptions[0]]
         if differ:
-            raise ValueError(f"{self.what}: ranks disagree on {what}: {on_rank(0, str(descriptions[0]))}; "
-                             f"{on_rank(differ[0], str(descriptions[differ[0]]))}. Every rank must call it with "
-                             "the same items (names, kinds, shapes, dtypes) and options")
+            raise ValueError(
+                f"{self.what}: ranks disagree on {what}: {on_rank(0, str(descriptions[0]))}; "
+                f"{on_rank(differ[0], str(descriptions[differ[0]]))}. Every rank must call it with "
+                "the same items (names, kinds, shapes, dtypes) and options"
+            )
 
 
 class Checkpoint:
@@ -166,11 +171,14 @@ class Checkpoint:
         if not items:
             raise ValueError("Checkpoint() needs at least one item, e.g. Checkpoint(weights=w, step=step)")
         self._items = {name: (_kind(name, obj), obj) for name, obj in sorted(items.items())}
-        strategies = {id(obj.strategy): obj.strategy for _, obj in self._items.values()
-                      if isinstance(obj, DistributedVariable)}
+        strategies = {
+            id(obj.strategy): obj.strategy for _, obj in self._items.values() if isinstance(obj, DistributedVariable)
+        }
         if len(strategies) > 1:
-            raise ValueError("Checkpoint items belong to different strategies; a checkpoint saves the variables "
-                             "of one strategy: make one Checkpoint per strategy")
+            raise ValueError(
+                "Checkpoint items belong to different strategies; a checkpoint saves the variables "
+                "of one strategy: make one Checkpoint per strategy"
+            )
         self._strategy = next(iter(strategies.values()), None)
         self._share_buffer: Optional[np.ndarray] = None  # what this rank's last restore read into, reused
 
@@ -183,9 +191,16 @@ class Checkpoint:
         return f"Checkpoint({', '.join(f'{n}=<{k}>' for n, (k, _) in self._items.items())})"
 
     # -- save ----------------------------------------------------------------------------
-    def save(self, path: fmt.PathLike, *, keep: int = 1, fsync: bool = True,
-             block_bytes: int = fmt.BLOCK_BYTES, check_mirrors: bool = True,
-             chunk_bytes: Optional[int] = None) -> str:
+    def save(
+        self,
+        path: fmt.PathLike,
+        *,
+        keep: int = 1,
+        fsync: bool = True,
+        block_bytes: int = fmt.BLOCK_BYTES,
+        check_mirrors: bool = True,
+        chunk_bytes: Optional[int] = None,
+    ) -> str:
         """Collective: write a new save into checkpoint directory ``path``; returns its directory.
 
         The save becomes visible in one atomic rename after every byte is
@@ -246,8 +261,9 @@ class Checkpoint:
         if run.rank == 0:
             try:
                 for entry in arrays:
-                    entry[fmt.BLOCK_CRCS_KEY] = [crcs[entry["name"]][i]
-                                                 for i in range(fmt.block_count(entry["nbytes"], block_bytes))]
+                    entry[fmt.BLOCK_CRCS_KEY] = [
+                        crcs[entry["name"]][i] for i in range(fmt.block_count(entry["nbytes"], block_bytes))
+                    ]
                 manifest = fmt.encode_manifest(fmt.make_manifest(entries, run.size, block_bytes))
                 validate.decode_manifest(manifest, str(tmp / fmt.MANIFEST))  # never write what a reader refuses
                 final = fmt.commit(tmp, number, manifest, fsync)
@@ -257,11 +273,15 @@ class Checkpoint:
                 fmt.discard(tmp)
         reply = run.share(payload, failure)
         if reply["problems"] and run.rank == 0:
-            warnings.warn(f"Checkpoint.save committed {reply['path']} but could not prune older saves: "
-                          + "; ".join(reply["problems"]), RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"Checkpoint.save committed {reply['path']} but could not prune older saves: "
+                + "; ".join(reply["problems"]),
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return reply["path"]
 
-    def _agree_on_entries(self, run: "_Protocol", args: list, check_mirrors: bool) -> list[dict]:
+    def _agree_on_entries(self, run: _Protocol, args: list, check_mirrors: bool) -> list[dict]:
         """Collective: check that all ranks save the same items with the same arguments (and, with
         ``check_mirrors``, the same mirrored values); the manifest entries."""
         failure: Optional[BaseException] = None
@@ -270,23 +290,26 @@ class Checkpoint:
         mirrors: dict[str, int] = {}
         try:
             descriptions = self._describe()
-            states = {name: self._get_state(name, obj) for name, (kind, obj) in self._items.items()
-                      if kind == fmt.STATE}
+            states = {
+                name: self._get_state(name, obj) for name, (kind, obj) in self._items.items() if kind == fmt.STATE
+            }
             if check_mirrors:
                 threads = fmt.io_threads(run.comm.local_size)
-                mirrors = {name: fingerprint for name, obj in self._variables()
-                           if (fingerprint := obj.policy.mirror_fingerprint(obj, threads)) is not None}
+                mirrors = {
+                    name: fingerprint
+                    for name, obj in self._variables()
+                    if (fingerprint := obj.policy.mirror_fingerprint(obj, threads)) is not None
+                }
         except Exception as exc:  # reported to every rank by the agreement
             failure = exc
         replies = run.gather({"items": descriptions, "args": args, "states": states, "mirrors": mirrors}, failure)
         run.same([r["items"] for r in replies], "the checkpoint's items")
-        run.same([r["args"] for r in replies],
-                 "the arguments of save (path, keep, fsync, block_bytes, check_mirrors)")
+        run.same([r["args"] for r in replies], "the arguments of save (path, keep, fsync, block_bytes, check_mirrors)")
         _check_mirrors(run.what, [r["mirrors"] for r in replies])
         return self._entries(descriptions, [r["states"] for r in replies])
 
     @staticmethod
-    def _prepare(run: "_Protocol", path: fmt.PathLike, arrays: list[dict]) -> tuple[Path, int]:
+    def _prepare(run: _Protocol, path: fmt.PathLike, arrays: list[dict]) -> tuple[Path, int]:
         """Collective: rank 0 creates the temporary directory with every file pre-sized."""
         failure: Optional[BaseException] = None
         payload: dict = {}
@@ -302,17 +325,23 @@ class Checkpoint:
         reply = run.share(payload, failure)
         return Path(reply["tmp"]), reply["number"]
 
-    def _write_shares(self, run: "_Protocol", tmp: Path, arrays: list[dict], values: dict[str, Any],
-                      block_bytes: int, fsync: bool) -> dict[str, dict[int, int]]:
+    def _write_shares(
+        self, run: _Protocol, tmp: Path, arrays: list[dict], values: dict[str, Any], block_bytes: int, fsync: bool
+    ) -> dict[str, dict[int, int]]:
         """Collective: every rank writes and checksums its share; all blocks' CRC-32s, by entry."""
         failure: Optional[BaseException] = None
         crcs: dict[str, dict[int, int]] = {}
-        ranges = fmt.share_ranges([e["nbytes"] for e in arrays], run.size, block_bytes,
-                                  rank0_only=[e["kind"] == fmt.ARRAY for e in arrays])
+        ranges = fmt.share_ranges(
+            [e["nbytes"] for e in arrays], run.size, block_bytes, rank0_only=[e["kind"] == fmt.ARRAY for e in arrays]
+        )
         try:
             self._check_visible(tmp)
-            pieces = [fmt.Piece(e, lo, hi, host_bytes(values[e["name"]], lo, hi))
-                      for e, shares in zip(arrays, ranges) for lo, hi in [shares[run.rank]] if hi > lo]
+            pieces = [
+                fmt.Piece(e, lo, hi, host_bytes(values[e["name"]], lo, hi))
+                for e, shares in zip(arrays, ranges)
+                for lo, hi in [shares[run.rank]]
+                if hi > lo
+            ]
             crcs = fmt.write_pieces(tmp, pieces, block_bytes, fmt.io_threads(run.comm.local_size), fsync)
         except Exception as exc:
             failure = exc
@@ -379,7 +408,7 @@ class Checkpoint:
         return str(directory)
 
     @staticmethod
-    def _load_manifest(run: "_Protocol", path: fmt.PathLike) -> tuple[Path, dict]:
+    def _load_manifest(run: _Protocol, path: fmt.PathLike) -> tuple[Path, dict]:
         """Collective: rank 0 finds the save, checks its manifest and files; every rank gets both."""
         failure: Optional[BaseException] = None
         payload: dict = {}
@@ -393,12 +422,20 @@ class Checkpoint:
         reply = run.share(payload, failure)
         return Path(reply["dir"]), reply["manifest"]
 
-    def _read_shares(self, run: "_Protocol", share: int, directory: Path, manifest: dict, entries: list[dict],
-                     ranges: list[list[tuple[int, int]]]) -> list[np.ndarray]:
+    def _read_shares(
+        self,
+        run: _Protocol,
+        share: int,
+        directory: Path,
+        manifest: dict,
+        entries: list[dict],
+        ranges: list[list[tuple[int, int]]],
+    ) -> list[np.ndarray]:
         """Collective: every rank reads and verifies share ``share`` of every entry; raises everywhere on failure."""
         failure: Optional[BaseException] = None
-        pieces = [fmt.Piece(entry, lo, hi) for entry, entry_ranges in zip(entries, ranges)
-                  for lo, hi in [entry_ranges[share]]]
+        pieces = [
+            fmt.Piece(entry, lo, hi) for entry, entry_ranges in zip(entries, ranges) for lo, hi in [entry_ranges[share]]
+        ]
         try:
             self._check_visible(directory)
             self._place(pieces)
@@ -423,10 +460,10 @@ class Checkpoint:
             self._share_buffer = np.empty(total, np.uint8)
         offset = 0
         for piece in pieces:
-            piece.buffer = self._share_buffer[offset:offset + piece.hi - piece.lo]
+            piece.buffer = self._share_buffer[offset : offset + piece.hi - piece.lo]
             offset += piece.hi - piece.lo
 
-    def _set_states(self, run: "_Protocol", states: list[tuple[str, Any, dict]]) -> None:
+    def _set_states(self, run: _Protocol, states: list[tuple[str, Any, dict]]) -> None:
         """Collective: ``set_state`` of each iterator; rolled back on every rank unless all ranks succeeded."""
         failure: Optional[BaseException] = None
         previous: dict[str, Any] = {}
@@ -444,14 +481,18 @@ class Checkpoint:
             raise
 
     # -- helpers -----------------------------------------------------------------------------
-    def _strategy_for(self, what: str) -> "MPIStrategy":
+    def _strategy_for(self, what: str) -> MPIStrategy:
         if get_replica_context() is not None:
-            raise RuntimeError(f"Checkpoint.{what} is a collective, cross-replica call; call it outside "
-                               "strategy.run (inside merge_call or scope() is fine)")
+            raise RuntimeError(
+                f"Checkpoint.{what} is a collective, cross-replica call; call it outside "
+                "strategy.run (inside merge_call or scope() is fine)"
+            )
         strategy = self._strategy or get_strategy()
         if strategy is None:
-            raise RuntimeError(f"Checkpoint.{what}: this checkpoint holds no variables, so it does not know which "
-                               "ranks take part; call it inside `with strategy.scope():`")
+            raise RuntimeError(
+                f"Checkpoint.{what}: this checkpoint holds no variables, so it does not know which "
+                "ranks take part; call it inside `with strategy.scope():`"
+            )
         return strategy
 
     def _describe(self) -> list[dict]:
@@ -473,11 +514,15 @@ class Checkpoint:
         try:
             copy = json.loads(json.dumps(state))
         except (TypeError, ValueError, RecursionError) as exc:
-            raise TypeError(f"Checkpoint item {name!r}: get_state() returned {type(state).__name__} that JSON "
-                            f"cannot hold ({exc}); return a dict of numbers, strings, lists and dicts") from None
+            raise TypeError(
+                f"Checkpoint item {name!r}: get_state() returned {type(state).__name__} that JSON "
+                f"cannot hold ({exc}); return a dict of numbers, strings, lists and dicts"
+            ) from None
         if not validate.state_fits(copy):
-            raise ValueError(f"Checkpoint item {name!r}: get_state() returned a value nested deeper than "
-                             f"{validate.MAX_DEPTH - 4} levels, more than a checkpoint holds")
+            raise ValueError(
+                f"Checkpoint item {name!r}: get_state() returned a value nested deeper than "
+                f"{validate.MAX_DEPTH - 4} levels, more than a checkpoint holds"
+            )
         return copy
 
     @staticmethod
@@ -495,9 +540,12 @@ class Checkpoint:
                     entry["rank_states"] = states
             else:
                 header = fmt.npy_header(entry["shape"], np.dtype(entry["dtype"]))
-                entry.update(file=fmt.safe_file_name(index, name), data_offset=len(header),
-                             header_crc32=zlib.crc32(header),
-                             nbytes=int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize)
+                entry.update(
+                    file=fmt.safe_file_name(index, name),
+                    data_offset=len(header),
+                    header_crc32=zlib.crc32(header),
+                    nbytes=int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize,
+                )
             entries.append(entry)
         return entries
 
@@ -529,16 +577,19 @@ class Checkpoint:
             if kind == fmt.STATE:
                 saved_at = len(entry.get("rank_states", ()))
                 if "state" not in entry and saved_at != size:
-                    problems.append(f"{name!r} was saved with a different state on each of {saved_at} ranks, so it "
-                                    f"can only be restored on {saved_at} ranks, not {size}; to restore on another "
-                                    "number of ranks, make get_state() return the same (global) position on every rank")
+                    problems.append(
+                        f"{name!r} was saved with a different state on each of {saved_at} ranks, so it "
+                        f"can only be restored on {saved_at} ranks, not {size}; to restore on another "
+                        "number of ranks, make get_state() return the same (global) position on every rank"
+                    )
             else:
                 saved_shape, saved_dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
                 if saved_shape != tuple(obj.shape):
                     problems.append(f"{name!r} has shape {saved_shape} in the checkpoint but {tuple(obj.shape)} here")
                 if saved_dtype != np.dtype(obj.dtype):
-                    problems.append(f"{name!r} has dtype {saved_dtype} in the checkpoint but "
-                                    f"{np.dtype(obj.dtype)} here")
+                    problems.append(
+                        f"{name!r} has dtype {saved_dtype} in the checkpoint but {np.dtype(obj.dtype)} here"
+                    )
                 if kind == fmt.ARRAY and not obj.flags.writeable:
                     problems.append(f"{name!r} is a read-only array here; pass a writeable array to restore into")
             plan.append((name, kind, obj, entry))
@@ -552,19 +603,31 @@ class Checkpoint:
             try:
                 self._items[name][1].set_state(state)
             except Exception as exc:  # keep the restore's error; say what could not be undone
-                warnings.warn(f"Checkpoint.restore failed and could not give {name!r} back its previous state: "
-                              f"{type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"Checkpoint.restore failed and could not give {name!r} back its previous state: "
+                    f"{type(exc).__name__}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     @staticmethod
     def _check_visible(directory: Path) -> None:
         """Local: ``CheckpointError`` unless this rank sees ``directory`` (the protocol names the rank)."""
         if not directory.is_dir():
-            raise CheckpointError(f"cannot see {directory}, which rank 0 can: the checkpoint directory "
-                                  "must be on a file system shared by all ranks (not a node-local disk)")
+            raise CheckpointError(
+                f"cannot see {directory}, which rank 0 can: the checkpoint directory "
+                "must be on a file system shared by all ranks (not a node-local disk)"
+            )
 
     @staticmethod
-    def _assemble(comm: Any, entry: dict, shares: list[tuple[int, int]], mine: np.ndarray,
-                  block_bytes: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def _assemble(
+        comm: Any,
+        entry: dict,
+        shares: list[tuple[int, int]],
+        mine: np.ndarray,
+        block_bytes: int,
+        out: Optional[np.ndarray] = None,
+    ) -> np.ndarray:
         """Collective over ``comm``: the entry's bytes on every rank, from each rank's share (contiguous, in
         rank order); into ``out`` (``uint8``, the entry's size) when given."""
         if all(hi - lo == entry["nbytes"] for lo, hi in shares):  # every rank read it all (or it is empty)
@@ -585,12 +648,12 @@ class Checkpoint:
         full = np.empty(entry["nbytes"], np.uint8) if out is None else out
         rounds = max(fmt.block_count(hi - lo, block_bytes) for lo, hi in shares)
         for k in range(rounds):
-            got = comm.allgather(mine[k * block_bytes:(k + 1) * block_bytes], name=name)
+            got = comm.allgather(mine[k * block_bytes : (k + 1) * block_bytes], name=name)
             offset = 0
             for lo, hi in shares:
                 start = lo + k * block_bytes
                 n = max(0, min(block_bytes, hi - start))
-                full[start:start + n] = got[offset:offset + n]
+                full[start : start + n] = got[offset : offset + n]
                 offset += n
         return full
 
@@ -599,12 +662,16 @@ def _block_size(block_bytes: Any, chunk_bytes: Any) -> int:
     """The block size save was given (``chunk_bytes`` is its former name), checked. Local."""
     if chunk_bytes is not None:
         if block_bytes != fmt.BLOCK_BYTES:
-            raise ValueError(f"Checkpoint.save: got block_bytes={block_bytes!r} and chunk_bytes={chunk_bytes!r}; "
-                             "chunk_bytes is the former name of block_bytes: pass block_bytes only")
+            raise ValueError(
+                f"Checkpoint.save: got block_bytes={block_bytes!r} and chunk_bytes={chunk_bytes!r}; "
+                "chunk_bytes is the former name of block_bytes: pass block_bytes only"
+            )
         block_bytes = chunk_bytes
     if not isinstance(block_bytes, int) or block_bytes < 32 or block_bytes % 32:
-        raise ValueError("Checkpoint.save: block_bytes must be a positive multiple of 32 (the largest item "
-                         f"size), got {block_bytes!r}")
+        raise ValueError(
+            "Checkpoint.save: block_bytes must be a positive multiple of 32 (the largest item "
+            f"size), got {block_bytes!r}"
+        )
     return block_bytes
 
 
@@ -625,9 +692,13 @@ def _check_mirrors(what: str, fingerprints: list[dict[str, int]]) -> None:
     names = list(fingerprints[0])
     differ = diverged(names, [[mine[name] for name in names] for mine in fingerprints])
     if differ:
-        detail = "; ".join(f"mirrored variable {name!r} differs from rank 0's on rank{'s' if len(r) > 1 else ''} "
-                           f"{format_ranks(r)}" for name, r in sorted(differ.items()))
+        detail = "; ".join(
+            f"mirrored variable {name!r} differs from rank 0's on rank{'s' if len(r) > 1 else ''} {format_ranks(r)}"
+            for name, r in sorted(differ.items())
+        )
         raise MirrorDivergenceError(
             f"{what}: {detail} (compared by CRC-32; nothing was written). Each rank must update a mirrored "
             "variable only through collective assign/assign_add/assign_sub calls; to save rank 0's value anyway, "
-            "pass check_mirrors=False", differ)
+            "pass check_mirrors=False",
+            differ,
+        )

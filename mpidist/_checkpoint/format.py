@@ -37,6 +37,7 @@ tampering can at worst change values.
 The arithmetic that splits the work between ranks (:func:`share_ranges`) is
 a pure function of sizes and the number of ranks, so it is tested serially.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,9 +49,10 @@ import secrets
 import shutil
 import time
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -89,15 +91,20 @@ def check_dtype(dtype: Any, name: str) -> np.dtype:
     """``dtype`` if a checkpoint can hold it (bool, integers, floats, complex, datetimes)."""
     dtype = np.dtype(dtype)
     if dtype.kind not in "biufcmM" or dtype.fields is not None or dtype.subdtype is not None:
-        raise TypeError(f"checkpoint item {name!r} has dtype {dtype}, which checkpoints cannot hold; "
-                        "use a bool, integer, floating, complex or datetime dtype")
+        raise TypeError(
+            f"checkpoint item {name!r} has dtype {dtype}, which checkpoints cannot hold; "
+            "use a bool, integer, floating, complex or datetime dtype"
+        )
     return dtype
 
 
 def npy_header(shape: Sequence[int], dtype: np.dtype) -> bytes:
     """The ``.npy`` header (format 1.0, or 2.0 when needed) of a C-ordered array; its length is a multiple of 64."""
-    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
-              "shape": tuple(int(s) for s in shape)}
+    header = {
+        "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+        "fortran_order": False,
+        "shape": tuple(int(s) for s in shape),
+    }
     out = io.BytesIO()
     try:
         np.lib.format.write_array_header_1_0(out, header)
@@ -122,8 +129,9 @@ def block_count(nbytes: int, block_bytes: int) -> int:
     return -(-nbytes // block_bytes)
 
 
-def share_ranges(sizes: Sequence[int], nranks: int, block_bytes: int,
-                 rank0_only: Optional[Sequence[bool]] = None) -> list[list[tuple[int, int]]]:
+def share_ranges(
+    sizes: Sequence[int], nranks: int, block_bytes: int, rank0_only: Optional[Sequence[bool]] = None
+) -> list[list[tuple[int, int]]]:
     """Split the bytes of several arrays between ``nranks`` ranks, in whole blocks.
 
     Returns ``ranges[e][r] = (lo, hi)``: the bytes of entry ``e`` that rank
@@ -202,8 +210,9 @@ class Piece:
     buffer: Any = None  # uint8 array of hi - lo bytes (data to write, or where reads land; made by the reader if None)
 
 
-def write_pieces(directory: Path, pieces: list[Piece], block_bytes: int, threads: int,
-                 fsync: bool) -> dict[str, dict[int, int]]:
+def write_pieces(
+    directory: Path, pieces: list[Piece], block_bytes: int, threads: int, fsync: bool
+) -> dict[str, dict[int, int]]:
     """Write each piece's buffer into its entry's (pre-sized) file; return ``{name: {block: crc32}}``.
 
     The files must exist (see :func:`create_files`). Files are fsynced before
@@ -219,9 +228,14 @@ def write_pieces(directory: Path, pieces: list[Piece], block_bytes: int, threads
             fd = fds[entry["file"]]
             view = memoryview(piece.buffer)
             for lo in range(piece.lo, piece.hi, block_bytes):
-                part = view[lo - piece.lo:min(lo + block_bytes, piece.hi) - piece.lo]
-                tasks.append(lambda fd=fd, part=part, lo=lo, entry=entry: (
-                    entry["name"], lo // block_bytes, _write_block(fd, part, entry["data_offset"] + lo)))
+                part = view[lo - piece.lo : min(lo + block_bytes, piece.hi) - piece.lo]
+                tasks.append(
+                    lambda fd=fd, part=part, lo=lo, entry=entry: (
+                        entry["name"],
+                        lo // block_bytes,
+                        _write_block(fd, part, entry["data_offset"] + lo),
+                    )
+                )
         crcs: dict[str, dict[int, int]] = {}
         for name, index, crc in run_tasks(tasks, threads):
             crcs.setdefault(name, {})[index] = crc
@@ -246,9 +260,16 @@ def encode_manifest(manifest: dict) -> bytes:
 
 
 def make_manifest(entries: list[dict], world_size: int, block_bytes: int) -> dict:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "mpidist_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "world_size": world_size,
-            "checksum": "crc32", BLOCK_BYTES_KEY: block_bytes, "entries": entries}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "mpidist_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "world_size": world_size,
+        "checksum": "crc32",
+        BLOCK_BYTES_KEY: block_bytes,
+        "entries": entries,
+    }
 
 
 def entry_array(entry: dict, buffer: Any) -> np.ndarray:
@@ -285,8 +306,10 @@ def begin_save(path: PathLike) -> tuple[Path, int]:
     """Create the temporary directory of the next save in ``path``; returns it and the save's number. Local."""
     root = Path(path)
     if (root / MANIFEST).is_file():
-        raise CheckpointError(f"{root} is one save inside a checkpoint directory; save into the checkpoint "
-                              f"directory itself ({root.parent})")
+        raise CheckpointError(
+            f"{root} is one save inside a checkpoint directory; save into the checkpoint "
+            f"directory itself ({root.parent})"
+        )
     root.mkdir(parents=True, exist_ok=True)
     numbers = [0]
     for child in root.iterdir():
@@ -294,9 +317,11 @@ def begin_save(path: PathLike) -> tuple[Path, int]:
         if match:
             numbers.append(int(match.group(1)))
         elif not child.name.startswith("."):
-            raise CheckpointError(f"{root} exists and holds {child.name!r}, which is not part of an mpidist "
-                                  "checkpoint; save into an empty or new directory (a checkpoint directory "
-                                  f"holds only {VERSION_PREFIX}NNNNNN subdirectories)")
+            raise CheckpointError(
+                f"{root} exists and holds {child.name!r}, which is not part of an mpidist "
+                "checkpoint; save into an empty or new directory (a checkpoint directory "
+                f"holds only {VERSION_PREFIX}NNNNNN subdirectories)"
+            )
     number = max(numbers) + 1
     tmp = root / f"{TMP_PREFIX}{number:06d}-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -343,7 +368,7 @@ def prune(root: Path, keep: int, current: Path) -> list[str]:
     """
     problems = []
     for path in [p for p in list_versions(root)[:-keep] if p != current]:
-        number = path.name[len(VERSION_PREFIX):]
+        number = path.name[len(VERSION_PREFIX) :]
         try:
             os.rename(path, root / f"{OLD_PREFIX}{number}-{secrets.token_hex(4)}")
         except OSError as exc:
@@ -382,8 +407,19 @@ def describe_entry(entry: dict) -> dict[str, str]:
     if entry["kind"] == STATE:
         states = entry.get("rank_states")
         detail = f"{len(states)} per-rank states" if states is not None else json.dumps(entry.get("state"))
-        return {"name": entry["name"], "kind": STATE, "shape": "", "dtype": "", "aggregation": "",
-                "size": detail if len(detail) <= 40 else detail[:37] + "..."}
-    return {"name": entry["name"], "kind": entry["kind"], "shape": str(tuple(entry["shape"])),
-            "dtype": str(np.dtype(entry["dtype"])), "aggregation": entry.get("aggregation") or "",
-            "size": human_size(entry["nbytes"])}
+        return {
+            "name": entry["name"],
+            "kind": STATE,
+            "shape": "",
+            "dtype": "",
+            "aggregation": "",
+            "size": detail if len(detail) <= 40 else detail[:37] + "...",
+        }
+    return {
+        "name": entry["name"],
+        "kind": entry["kind"],
+        "shape": str(tuple(entry["shape"])),
+        "dtype": str(np.dtype(entry["dtype"])),
+        "aggregation": entry.get("aggregation") or "",
+        "size": human_size(entry["nbytes"]),
+    }

@@ -6,6 +6,7 @@ a manifest a reader refuses, a link, FIFO or device inside the save, an
 I/O error). Every problem is reported on one line, never as a traceback, and
 characters that are not printable (in names, paths, messages) are escaped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,28 +18,41 @@ __all__ = ["DAMAGED", "DESCRIPTION", "OK", "UNREADABLE", "add_parser", "printabl
 
 OK, DAMAGED, UNREADABLE = 0, 1, 3
 
-DESCRIPTION = ("List the names, kinds, shapes, dtypes and aggregations of a save, the number of ranks that wrote "
-               "it, and verify the CRC-32 checksum of every file. Exit status: 0 when everything verifies, 1 when "
-               "data is damaged (a checksum or size does not match; each damaged file is named), 3 when the save "
-               "is malformed or unreadable (no save at PATH, a manifest mpidist refuses, a link, FIFO or device "
-               "inside the save).")
+DESCRIPTION = (
+    "List the names, kinds, shapes, dtypes and aggregations of a save, the number of ranks that wrote "
+    "it, and verify the CRC-32 checksum of every file. Exit status: 0 when everything verifies, 1 when "
+    "data is damaged (a checksum or size does not match; each damaged file is named), 3 when the save "
+    "is malformed or unreadable (no save at PATH, a manifest mpidist refuses, a link, FIFO or device "
+    "inside the save)."
+)
 
 
 def add_parser(actions: Any) -> None:
     """Add the ``inspect`` action to the ``checkpoint`` command's ``add_subparsers()`` object."""
-    parser = actions.add_parser("inspect", help="list a save's contents and verify its checksums",
-                                description=DESCRIPTION)
-    parser.add_argument("path", metavar="PATH",
-                        help="a checkpoint directory (its newest save is inspected) or one save inside it, "
-                             "e.g. PATH/ckpt-000003")
-    parser.add_argument("--all", action="store_true",
-                        help="inspect every save kept in the checkpoint directory, oldest first, not only the newest")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="do not read the data to verify its checksums (fast); the manifest and each data "
-                             "file's type, size and header are still checked")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object per save (directory, status, problems, manifest) instead of "
-                             "a table")
+    parser = actions.add_parser(
+        "inspect", help="list a save's contents and verify its checksums", description=DESCRIPTION
+    )
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="a checkpoint directory (its newest save is inspected) or one save inside it, e.g. PATH/ckpt-000003",
+    )
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="inspect every save kept in the checkpoint directory, oldest first, not only the newest",
+    )
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not read the data to verify its checksums (fast); the manifest and each data "
+        "file's type, size and header are still checked",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per save (directory, status, problems, manifest) instead of a table",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -73,8 +87,18 @@ def _inspect_one(args: argparse.Namespace, target: Any) -> int:
     except Exception as exc:  # MemoryError, RecursionError, OSError too: one line each
         return _fail(args, target, exc)
     if args.json:
-        print(json.dumps({"directory": str(report.directory), "ok": report.ok, "status": report.status,
-                          "verified": report.verified, "problems": report.problems, "manifest": report.manifest}))
+        print(
+            json.dumps(
+                {
+                    "directory": str(report.directory),
+                    "ok": report.ok,
+                    "status": report.status,
+                    "verified": report.verified,
+                    "problems": report.problems,
+                    "manifest": report.manifest,
+                }
+            )
+        )
     else:
         _print_report(report)
     return report.status
@@ -85,8 +109,11 @@ def _fail(args: argparse.Namespace, target: Any, exc: BaseException) -> int:
 
     status = DAMAGED if isinstance(exc, ChecksumError) else UNREADABLE
     what = "DAMAGED" if status == DAMAGED else "UNREADABLE"
-    reason = str(exc) if isinstance(exc, (OSError, ValueError, RuntimeError)) and str(exc) else \
-        f"{type(exc).__name__}: {exc}"
+    reason = (
+        str(exc)
+        if isinstance(exc, (OSError, ValueError, RuntimeError)) and str(exc)
+        else f"{type(exc).__name__}: {exc}"
+    )
     if args.json:
         print(json.dumps({"directory": str(target), "ok": False, "status": status, "error": reason}))
     print(printable(f"{target}: {what}: {reason}"), file=sys.stderr)
@@ -99,10 +126,14 @@ def _print_report(report: Any) -> None:
 
     manifest = report.manifest
     print(printable(f"checkpoint {report.directory}"))
-    print(printable(f"  saved {manifest['created']} by mpidist {manifest['mpidist_version']} on "
-                    f"{manifest['world_size']} rank{'s' if manifest['world_size'] != 1 else ''}; format "
-                    f"{manifest['format_version']}; {manifest['checksum']} per "
-                    f"{human_size(manifest[fmt.BLOCK_BYTES_KEY])} block"))
+    print(
+        printable(
+            f"  saved {manifest['created']} by mpidist {manifest['mpidist_version']} on "
+            f"{manifest['world_size']} rank{'s' if manifest['world_size'] != 1 else ''}; format "
+            f"{manifest['format_version']}; {manifest['checksum']} per "
+            f"{human_size(manifest[fmt.BLOCK_BYTES_KEY])} block"
+        )
+    )
     rows = [{k: printable(v) for k, v in fmt.describe_entry(e).items()} for e in manifest["entries"]]
     failed = "DAMAGED" if report.status == DAMAGED else "UNREADABLE"
     for entry, row in zip(manifest["entries"], rows):

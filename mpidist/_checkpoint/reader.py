@@ -11,6 +11,7 @@ swapped in between). The manifest is checked whole
 with what the manifest declares before any array is allocated: the memory
 and time a read takes are bounded by the size of the save on disk.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +23,20 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mpidist._checkpoint.format import (ARRAY_KINDS, BLOCK_BYTES_KEY, BLOCK_CRCS_KEY, MANIFEST, VERSION_PREFIX,
-                                        PathLike, Piece, entry_array, io_threads, list_versions, pread_into,
-                                        run_tasks)
+from mpidist._checkpoint.format import (
+    ARRAY_KINDS,
+    BLOCK_BYTES_KEY,
+    BLOCK_CRCS_KEY,
+    MANIFEST,
+    VERSION_PREFIX,
+    PathLike,
+    Piece,
+    entry_array,
+    io_threads,
+    list_versions,
+    pread_into,
+    run_tasks,
+)
 from mpidist._checkpoint.validate import MAX_MANIFEST_BYTES, decode_manifest
 from mpidist._errors import CheckpointError, ChecksumError
 
@@ -33,9 +45,15 @@ __all__ = ["Report", "Save", "inspect", "read_checkpoint"]
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
-_FILE_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file"))
+_FILE_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISREG, "a regular file"),
+)
 
 
 def _file_kind(mode: int) -> str:
@@ -66,8 +84,10 @@ def open_regular(dir_fd: int, name: str, path: Path) -> int:
         raise
     except OSError as exc:
         raise _unreadable(path, exc) from None
-    raise CheckpointError(f"{path} is {_file_kind(mode)}, not a regular file; a save holds only regular files, and "
-                          "mpidist opens nothing else in it (no links to elsewhere, FIFOs or devices)")
+    raise CheckpointError(
+        f"{path} is {_file_kind(mode)}, not a regular file; a save holds only regular files, and "
+        "mpidist opens nothing else in it (no links to elsewhere, FIFOs or devices)"
+    )
 
 
 def _open_directory(path: Path, dir_fd: Optional[int] = None, *, follow: bool) -> int:
@@ -77,14 +97,17 @@ def _open_directory(path: Path, dir_fd: Optional[int] = None, *, follow: bool) -
         if not follow:
             mode = os.stat(target, dir_fd=dir_fd, follow_symlinks=False).st_mode
             if not stat.S_ISDIR(mode):
-                raise CheckpointError(f"{path} is {_file_kind(mode)}, not a directory; a save is a directory of "
-                                      "regular files, and mpidist follows no links inside a checkpoint directory")
+                raise CheckpointError(
+                    f"{path} is {_file_kind(mode)}, not a directory; a save is a directory of "
+                    "regular files, and mpidist follows no links inside a checkpoint directory"
+                )
         return os.open(target, _DIR_FLAGS | (0 if follow else os.O_NOFOLLOW), dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except NotADirectoryError:
-        raise CheckpointError(f"{path} is not a directory; a checkpoint is a directory written by "
-                              "Checkpoint.save") from None
+        raise CheckpointError(
+            f"{path} is not a directory; a checkpoint is a directory written by Checkpoint.save"
+        ) from None
     except OSError as exc:
         raise _unreadable(path, exc) from None
 
@@ -108,7 +131,7 @@ class Save:
         self.directory, self.manifest, self._fd = directory, manifest, fd
 
     @classmethod
-    def open(cls, path: PathLike) -> "Save":
+    def open(cls, path: PathLike) -> Save:
         """Open the save at ``path``: ``path`` itself if it holds a manifest, else its newest ``ckpt-NNNNNN``.
 
         Raises:
@@ -128,8 +151,10 @@ class Save:
             else:
                 versions = list_versions(root)
                 if not versions:
-                    raise FileNotFoundError(f"checkpoint {root} holds no complete checkpoint (expected "
-                                            f"{VERSION_PREFIX}NNNNNN/{MANIFEST} inside it, written by Checkpoint.save)")
+                    raise FileNotFoundError(
+                        f"checkpoint {root} holds no complete checkpoint (expected "
+                        f"{VERSION_PREFIX}NNNNNN/{MANIFEST} inside it, written by Checkpoint.save)"
+                    )
                 directory = versions[-1]
                 fd = _open_directory(directory, root_fd, follow=False)
         except (FileNotFoundError, CheckpointError):
@@ -145,7 +170,7 @@ class Save:
             raise
 
     @classmethod
-    def at(cls, directory: PathLike, manifest: dict) -> "Save":
+    def at(cls, directory: PathLike, manifest: dict) -> Save:
         """Open save ``directory`` whose ``manifest`` was already read and checked (by another rank)."""
         directory = Path(directory)
         return cls(directory, _open_directory(directory, follow=True), manifest)
@@ -156,7 +181,7 @@ class Save:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> "Save":
+    def __enter__(self) -> Save:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -179,19 +204,28 @@ class Save:
         try:
             fd = open_regular(self._fd, entry["file"], path)
         except FileNotFoundError:
-            raise ChecksumError(f"{path}: data file of {entry['name']!r} is missing; the checkpoint is incomplete "
-                                "or was altered", file=str(path), entry=entry["name"]) from None
+            raise ChecksumError(
+                f"{path}: data file of {entry['name']!r} is missing; the checkpoint is incomplete or was altered",
+                file=str(path),
+                entry=entry["name"],
+            ) from None
         try:
             size, expected = os.fstat(fd).st_size, entry["data_offset"] + entry["nbytes"]
             if size != expected:
-                raise ChecksumError(f"{path}: data file of {entry['name']!r} has {size} bytes, expected {expected} "
-                                    "(truncated or extended after it was written)", file=str(path),
-                                    entry=entry["name"])
+                raise ChecksumError(
+                    f"{path}: data file of {entry['name']!r} has {size} bytes, expected {expected} "
+                    "(truncated or extended after it was written)",
+                    file=str(path),
+                    entry=entry["name"],
+                )
             header = bytearray(entry["data_offset"])
             if pread_into(fd, memoryview(header), 0) < len(header) or zlib.crc32(header) != entry["header_crc32"]:
-                raise ChecksumError(f"{path}: the .npy header of {entry['name']!r} does not match its checksum "
-                                    "(the file was altered or damaged after it was written)", file=str(path),
-                                    entry=entry["name"])
+                raise ChecksumError(
+                    f"{path}: the .npy header of {entry['name']!r} does not match its checksum "
+                    "(the file was altered or damaged after it was written)",
+                    file=str(path),
+                    entry=entry["name"],
+                )
         except BaseException as exc:
             os.close(fd)
             if isinstance(exc, OSError):
@@ -230,9 +264,12 @@ class Save:
     def _block_tasks(self, fd: int, piece: Piece, verify: bool) -> list[Any]:
         block, entry = self.manifest[BLOCK_BYTES_KEY], piece.entry
         path, view = self.directory / entry["file"], memoryview(piece.buffer)
-        return [lambda lo=lo: _read_block(fd, view[lo - piece.lo:min(lo + block, piece.hi) - piece.lo], lo, entry,
-                                          path, block, verify)
-                for lo in range(piece.lo, piece.hi, block)]
+        return [
+            lambda lo=lo: _read_block(
+                fd, view[lo - piece.lo : min(lo + block, piece.hi) - piece.lo], lo, entry, path, block, verify
+            )
+            for lo in range(piece.lo, piece.hi, block)
+        ]
 
     def verify_entry(self, entry: dict, threads: int) -> None:
         """Check an entry's file and every block's CRC-32, holding only ``threads`` blocks in memory. Local."""
@@ -241,7 +278,7 @@ class Save:
             step = self.manifest[BLOCK_BYTES_KEY] * threads
             buffer = np.empty(min(step, entry["nbytes"]), np.uint8)
             for lo in range(0, entry["nbytes"], step):
-                piece = Piece(entry, lo, min(lo + step, entry["nbytes"]), buffer[:min(step, entry["nbytes"] - lo)])
+                piece = Piece(entry, lo, min(lo + step, entry["nbytes"]), buffer[: min(step, entry["nbytes"] - lo)])
                 run_tasks(self._block_tasks(fd, piece, True), threads)
         finally:
             os.close(fd)
@@ -256,8 +293,10 @@ def _read_manifest(fd: int, directory: Path) -> dict:
     try:
         size = os.fstat(manifest_fd).st_size
         if size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path}: the manifest has {size} bytes, more than the {MAX_MANIFEST_BYTES} a "
-                                  "reader accepts; this is not a manifest written by mpidist")
+            raise CheckpointError(
+                f"{path}: the manifest has {size} bytes, more than the {MAX_MANIFEST_BYTES} a "
+                "reader accepts; this is not a manifest written by mpidist"
+            )
         data = bytearray(size)
         got = pread_into(manifest_fd, memoryview(data), 0)
     except OSError as exc:
@@ -275,14 +314,21 @@ def _read_block(fd: int, out: memoryview, lo: int, entry: dict, path: Path, bloc
     index = lo // block_bytes
     where = f"{path}: {entry['name']!r}, bytes {lo}-{lo + len(out)} (block {index})"
     if got < len(out):
-        raise ChecksumError(f"{where}: the file ends after {entry['data_offset'] + lo + got} bytes; it was "
-                            "truncated after it was written", file=str(path), entry=entry["name"])
+        raise ChecksumError(
+            f"{where}: the file ends after {entry['data_offset'] + lo + got} bytes; it was "
+            "truncated after it was written",
+            file=str(path),
+            entry=entry["name"],
+        )
     if verify:
         expected, found = entry[BLOCK_CRCS_KEY][index], zlib.crc32(out)
         if found != expected:
-            raise ChecksumError(f"{where}: CRC-32 {found:08x} does not match the recorded {expected:08x}; the "
-                                "file was altered or damaged after it was written", file=str(path),
-                                entry=entry["name"])
+            raise ChecksumError(
+                f"{where}: CRC-32 {found:08x} does not match the recorded {expected:08x}; the "
+                "file was altered or damaged after it was written",
+                file=str(path),
+                entry=entry["name"],
+            )
 
 
 def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndarray]:

@@ -10,6 +10,7 @@ manifest itself: its size, the nesting depth of its JSON and the number of
 dimensions of an array; :meth:`Checkpoint.save` refuses to write a
 manifest outside them.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,20 @@ import re
 import zlib
 from typing import TYPE_CHECKING, Any
 
-from mpidist._checkpoint.format import (ARRAY_KINDS, BLOCK_BYTES_KEY, BLOCK_CRCS_KEY, FORMAT, FORMAT_VERSION,
-                                        MIRRORED, STATE, SYNC_ON_READ, block_count, canonical, check_dtype,
-                                        is_data_file_name)
+from mpidist._checkpoint.format import (
+    ARRAY_KINDS,
+    BLOCK_BYTES_KEY,
+    BLOCK_CRCS_KEY,
+    FORMAT,
+    FORMAT_VERSION,
+    MIRRORED,
+    STATE,
+    SYNC_ON_READ,
+    block_count,
+    canonical,
+    check_dtype,
+    is_data_file_name,
+)
 from mpidist._distribute.variables import VariableAggregation
 from mpidist._errors import CheckpointError, ChecksumError
 from mpidist._version import __version__
@@ -28,8 +40,16 @@ from mpidist._version import __version__
 if TYPE_CHECKING:  # typing.TypeGuard is Python 3.10
     from typing import TypeGuard
 
-__all__ = ["MAX_DEPTH", "MAX_DIMS", "MAX_HEADER_BYTES", "MAX_MANIFEST_BYTES", "check_manifest",
-           "decode_manifest", "json_depth", "state_fits"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_DIMS",
+    "MAX_HEADER_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "check_manifest",
+    "decode_manifest",
+    "json_depth",
+    "state_fits",
+]
 
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_DEPTH = 64
@@ -70,8 +90,10 @@ def decode_manifest(data: bytes, where: str) -> dict:
             do not add up, nesting or size beyond the limits).
     """
     if len(data) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{where}: the manifest has {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a "
-                              "reader accepts; this is not a manifest written by mpidist")
+        raise CheckpointError(
+            f"{where}: the manifest has {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} a "
+            "reader accepts; this is not a manifest written by mpidist"
+        )
     try:
         manifest = json.loads(data.decode())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -84,14 +106,18 @@ def decode_manifest(data: bytes, where: str) -> dict:
         raise CheckpointError(f"{where}: malformed manifest (nested deeper than {MAX_DEPTH} levels)")
     body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
     if manifest.get("manifest_crc32") != zlib.crc32(canonical(body)):
-        raise ChecksumError(f"{where}: the manifest does not match its checksum; it was altered or damaged "
-                            "after it was written", file=where)
+        raise ChecksumError(
+            f"{where}: the manifest does not match its checksum; it was altered or damaged after it was written",
+            file=where,
+        )
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not an mpidist checkpoint manifest")
     version = manifest.get("format_version")
     if _is_int(version) and version > FORMAT_VERSION:
-        raise CheckpointError(f"{where}: checkpoint format version {version} is newer than this mpidist "
-                              f"({__version__}) reads ({FORMAT_VERSION}); upgrade mpidist")
+        raise CheckpointError(
+            f"{where}: checkpoint format version {version} is newer than this mpidist "
+            f"({__version__}) reads ({FORMAT_VERSION}); upgrade mpidist"
+        )
     try:
         check_manifest(manifest)
     except (KeyError, TypeError, ValueError) as exc:
@@ -141,14 +167,18 @@ def _check_array(entry: dict, block: int, files: set[str]) -> None:
         dtype = check_dtype(descr, name)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
-    shape = _need(entry, "shape", lambda v: isinstance(v, list) and len(v) <= MAX_DIMS
-                  and all(_is_int(s) and 0 <= s < 1 << 63 for s in v))
+    shape = _need(
+        entry,
+        "shape",
+        lambda v: isinstance(v, list) and len(v) <= MAX_DIMS and all(_is_int(s) and 0 <= s < 1 << 63 for s in v),
+    )
     nbytes = _need(entry, "nbytes", _is_int)
     if nbytes != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"entry {name!r}: nbytes {nbytes} does not match shape {shape} of {dtype}")
     if block % dtype.itemsize:
-        raise ValueError(f"entry {name!r}: the block size {block} ({BLOCK_BYTES_KEY}) is not a multiple of the "
-                         f"item size of {dtype}")
+        raise ValueError(
+            f"entry {name!r}: the block size {block} ({BLOCK_BYTES_KEY}) is not a multiple of the item size of {dtype}"
+        )
     file = _need(entry, "file", lambda v: isinstance(v, str) and is_data_file_name(v))
     if file in files:
         raise ValueError(f"entry {name!r}: file {file!r} belongs to another entry too")

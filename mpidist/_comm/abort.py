@@ -12,6 +12,7 @@ Two hooks, both local to install:
 
 Part of the comm layer: the only MPI call here is ``MPI_Abort``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -37,8 +38,11 @@ def _keep_default() -> bool:
 
 def _abort(what: str, lines: list[str], code: int) -> None:
     world = MPI.COMM_WORLD
-    banner = on_rank(None, f"{what} on rank {world.rank} of {world.size}; aborting the job so the other ranks do "
-                           "not hang (MPIDIST_ABORT_ON_ERROR=0 turns this off)")
+    banner = on_rank(
+        None,
+        f"{what} on rank {world.rank} of {world.size}; aborting the job so the other ranks do "
+        "not hang (MPIDIST_ABORT_ON_ERROR=0 turns this off)",
+    )
     sys.stderr.write("".join(f"[rank {world.rank}] {line}\n" for line in [banner, *lines]))
     sys.stderr.flush()
     world.Abort(code)

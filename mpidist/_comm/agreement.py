@@ -31,6 +31,7 @@ Cost per rank and collective: one allreduce of ``8 * (SMALL + 14)`` bytes,
 something is wrong. A deadline (``options.timeout``) is honoured by polling
 the request (:meth:`~mpidist._comm.deadline.Deadline.poll`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -97,8 +98,16 @@ class Call:
 
     __slots__ = ("kind", "op", "dtype", "shape", "name", "root", "extra", "key")
 
-    def __init__(self, kind: Kind, name: str, op: Optional[ReduceOp] = None, dtype: str = "",
-                 shape: tuple = (), root: int = 0, extra: Any = None) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        name: str,
+        op: Optional[ReduceOp] = None,
+        dtype: str = "",
+        shape: tuple = (),
+        root: int = 0,
+        extra: Any = None,
+    ) -> None:
         self.kind, self.op, self.dtype, self.shape = kind, op, dtype, shape
         self.name, self.root, self.extra = name, root, extra
         compared = shape[1:] if kind == Kind.ALLGATHER else shape
@@ -129,8 +138,10 @@ class Call:
         if self.kind != Kind.FUSED or not self.extra:
             return []
         specs, names = self.extra
-        return [f"{name!r} {op or 'rank 0s value'} {np.dtype(dtype).name}{list(shape)}"
-                for (op, dtype, shape), name in zip(specs, names)]
+        return [
+            f"{name!r} {op or 'rank 0s value'} {np.dtype(dtype).name}{list(shape)}"
+            for (op, dtype, shape), name in zip(specs, names)
+        ]
 
 
 def validate(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable: bool = False) -> Optional[Exception]:
@@ -138,9 +149,14 @@ def validate(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable:
     try:
         dtype, flags = array.dtype, array.flags
         char = dtype.char
-        fine = (char in DTYPES and dtype.isnative and flags.c_contiguous and (flags.writeable or not writable)
-                and (op is not ReduceOp.MEAN or char in FLOATS)
-                and (char not in _COMPLEX or (op is not ReduceOp.MIN and op is not ReduceOp.MAX)))
+        fine = (
+            char in DTYPES
+            and dtype.isnative
+            and flags.c_contiguous
+            and (flags.writeable or not writable)
+            and (op is not ReduceOp.MEAN or char in FLOATS)
+            and (char not in _COMPLEX or (op is not ReduceOp.MIN and op is not ReduceOp.MAX))
+        )
     except AttributeError:
         fine = False
     return None if fine else _invalid(array, op, name, rank, writable)
@@ -155,30 +171,40 @@ def _invalid(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable:
 def _why_invalid(array: Any, op: Optional[ReduceOp], writable: bool) -> tuple[type[Exception], str]:
     """The error class, and what is wrong with ``array`` (following its name), for :func:`_invalid`."""
     if not (hasattr(array, "dtype") and hasattr(array, "shape") and hasattr(array, "flags")):
-        return TypeError, (f" is a {type(array).__name__}, not an array; pass a NumPy "
-                           "or CuPy array (numpy.asarray(x))")
+        return TypeError, (f" is a {type(array).__name__}, not an array; pass a NumPy or CuPy array (numpy.asarray(x))")
     char = array.dtype.char
     if char not in DTYPES:
-        return TypeError, (f" has dtype {array.dtype}, which mpidist cannot send; use one of "
-                           "bool, int8-64, uint8-64, float16/32/64, complex64/128")
+        return TypeError, (
+            f" has dtype {array.dtype}, which mpidist cannot send; use one of "
+            "bool, int8-64, uint8-64, float16/32/64, complex64/128"
+        )
     if not array.dtype.isnative:
-        return TypeError, (f" has non-native byte order ({array.dtype.str}); convert it first "
-                           "(x.astype(x.dtype.newbyteorder('=')))")
+        return TypeError, (
+            f" has non-native byte order ({array.dtype.str}); convert it first (x.astype(x.dtype.newbyteorder('=')))"
+        )
     if not array.flags.c_contiguous:
-        return TypeError, (f" (shape {tuple(array.shape)}, dtype {array.dtype}) is not "
-                           "C-contiguous; pass a contiguous copy (numpy.ascontiguousarray(x))")
+        return TypeError, (
+            f" (shape {tuple(array.shape)}, dtype {array.dtype}) is not "
+            "C-contiguous; pass a contiguous copy (numpy.ascontiguousarray(x))"
+        )
     if writable and not array.flags.writeable:
         return ValueError, " is read-only, but this collective writes into it; pass a writable copy"
     if op is ReduceOp.MEAN:
-        return ValueError, (f": MEAN of dtype {array.dtype} would truncate; reduce a "
-                            "floating-point copy, or use SUM and divide yourself")
+        return ValueError, (
+            f": MEAN of dtype {array.dtype} would truncate; reduce a "
+            "floating-point copy, or use SUM and divide yourself"
+        )
     return ValueError, f": {op.name if op else '?'} is not defined for complex dtype {array.dtype}"
 
 
 def carried(array: Any, op: Optional[ReduceOp]) -> bool:
     """Local: whether ``array`` reduced by ``op`` travels inside the record (small host SUM/MEAN)."""
-    return ((op is ReduceOp.SUM or op is ReduceOp.MEAN) and array.size <= SMALL and array.dtype.char in _CARRIED
-            and (array.__class__ is np.ndarray or not is_device_array(array)))
+    return (
+        (op is ReduceOp.SUM or op is ReduceOp.MEAN)
+        and array.size <= SMALL
+        and array.dtype.char in _CARRIED
+        and (array.__class__ is np.ndarray or not is_device_array(array))
+    )
 
 
 class Ticket:
@@ -192,8 +218,15 @@ class Ticket:
 
     __slots__ = ("_agreement", "call", "error", "carry", "expected", "then", "done", "failure", "result")
 
-    def __init__(self, agreement: Agreement, call: Call, error: Optional[Exception], carry: int,
-                 expected: list[float], then: Optional[Callable[[Optional[np.ndarray]], Any]]) -> None:
+    def __init__(
+        self,
+        agreement: Agreement,
+        call: Call,
+        error: Optional[Exception],
+        carry: int,
+        expected: list[float],
+        then: Optional[Callable[[Optional[np.ndarray]], Any]],
+    ) -> None:
         self._agreement = agreement
         self.call, self.error, self.carry, self.expected, self.then = call, error, carry, expected, then
         self.done = False
@@ -244,8 +277,9 @@ class Agreement:
         self._mine: tuple[float, ...] = ()  # the hash words last written
         self._send = np.zeros(_SIZE)
         self._recv = np.zeros(_SIZE)
-        self.request: MPI.Prequest = transport.call("agreement setup", transport.comm.Allreduce_init,
-                                                    self._send, self._recv, MPI.SUM)
+        self.request: MPI.Prequest = transport.call(
+            "agreement setup", transport.comm.Allreduce_init, self._send, self._recv, MPI.SUM
+        )
         self._pending: Optional[Ticket] = None
         self._carried = 0  # data slots used by the previous record (to zero them lazily)
         self._hashes: dict[tuple, tuple[tuple[float, ...], list[float]]] = {}
@@ -269,8 +303,9 @@ class Agreement:
         _live[:] = [ref for ref in _live if ref() not in (None, self)]
 
     # -- starting and completing -------------------------------------------------------------
-    def agree(self, call: Call, error: Optional[Exception] = None, data: Any = None,
-              check_finite: bool = False) -> Optional[np.ndarray]:
+    def agree(
+        self, call: Call, error: Optional[Exception] = None, data: Any = None, check_finite: bool = False
+    ) -> Optional[np.ndarray]:
         """Collective: agree on ``call`` (blocking); returns the reduced ``data`` slots, if they were carried.
 
         ``error`` is this rank's own problem with its arguments: it is raised
@@ -287,8 +322,9 @@ class Agreement:
             self.transport.poll(request, call)
         return self._verify(call, error, carry, expected)
 
-    def agree_array(self, kind: Kind, name: str, op: Optional[ReduceOp], array: Any,
-                    check_finite: bool = False) -> Optional[np.ndarray]:
+    def agree_array(
+        self, kind: Kind, name: str, op: Optional[ReduceOp], array: Any, check_finite: bool = False
+    ) -> Optional[np.ndarray]:
         """Collective: :meth:`agree` on a call of one valid array (the per-collective path, kept short).
 
         Returns the carried sums shaped like ``array`` (a view of the record:
@@ -309,7 +345,7 @@ class Agreement:
         if carry:
             into[...] = array
         if self._carried > carry:
-            self._send[carry:self._carried] = 0.0
+            self._send[carry : self._carried] = 0.0
         self._carried = carry
         send = self._send
         if mine is not self._mine:
@@ -340,8 +376,14 @@ class Agreement:
         plan = self._plans[key] = (call, carry, mine, expected, into, out)
         return plan
 
-    def start(self, call: Call, error: Optional[Exception] = None, data: Any = None, check_finite: bool = False,
-              then: Optional[Callable[[Optional[np.ndarray]], Any]] = None) -> Ticket:
+    def start(
+        self,
+        call: Call,
+        error: Optional[Exception] = None,
+        data: Any = None,
+        check_finite: bool = False,
+        then: Optional[Callable[[Optional[np.ndarray]], Any]] = None,
+    ) -> Ticket:
         """Collective, nonblocking :meth:`agree`: returns the :class:`Ticket` (``then`` runs on agreement).
 
         ``data`` is this rank's array (or list of arrays) of the call: checked
@@ -375,16 +417,22 @@ class Agreement:
             raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
         t.seq += 1
         send = self._send
-        carry = (data.size if error is None and call.kind is Kind.ALLREDUCE and data.__class__ is not list
-                 and carried(data, call.op) else 0)
+        carry = (
+            data.size
+            if error is None and call.kind is Kind.ALLREDUCE and data.__class__ is not list and carried(data, call.op)
+            else 0
+        )
         if carry:
             send[:carry] = data.reshape(-1)
         if self._carried > carry:
-            send[carry:self._carried] = 0.0
+            send[carry : self._carried] = 0.0
         self._carried = carry
         if error is not None or check_finite or self.stop_requested or self._flags is not _CLEAR:
-            flags = (float(error is not None), float(check_finite and error is None and _nonfinite(data)),
-                     float(self.stop_requested))
+            flags = (
+                float(error is not None),
+                float(check_finite and error is None and _nonfinite(data)),
+                float(self.stop_requested),
+            )
             send[_BAD], send[_NONFINITE], send[_STOP] = flags
             self._flags = _CLEAR if flags == _CLEAR else flags
         mine, expected = self._identity(call, carry)
@@ -435,8 +483,9 @@ class Agreement:
             self._hashes[key] = found
         return found
 
-    def _verify(self, call: Call, error: Optional[Exception], carry: int,
-                expected: list[float]) -> Optional[np.ndarray]:
+    def _verify(
+        self, call: Call, error: Optional[Exception], carry: int, expected: list[float]
+    ) -> Optional[np.ndarray]:
         """Local: the verdict on the summed records, the same on every rank; the carried sums when agreed."""
         t = self.transport
         tail = self._recv[_BAD:].tolist()
@@ -448,8 +497,10 @@ class Agreement:
             self.stop_agreed = True
         if leaving:
             t.broken = "a rank left the job"
-            raise RankLeftError(_left_message(t.rank, int(leaving), left1, left2, call.describe(), t.seq),
-                                _left_ranks(int(leaving), left1, left2))
+            raise RankLeftError(
+                _left_message(t.rank, int(leaving), left1, left2, call.describe(), t.seq),
+                _left_ranks(int(leaving), left1, left2),
+            )
         if bad or not (tail[8:] == expected and tail[6] == n * s and tail[7] == n * s * s):
             self._mismatch(call, error)
         if nonfinite:
@@ -470,19 +521,29 @@ class Agreement:
         if error is not None:
             raise error
         raise CollectiveMismatchError(
-            on_rank(t.rank, f"ranks disagree on collective #{t.seq} ({call.describe()}): {lines}. Every rank "
-                    "must call the same collectives in the same order, with arrays of the same dtype and shape and "
-                    "the same names; no array was modified."), heads)
+            on_rank(
+                t.rank,
+                f"ranks disagree on collective #{t.seq} ({call.describe()}): {lines}. Every rank "
+                "must call the same collectives in the same order, with arrays of the same dtype and shape and "
+                "the same names; no array was modified.",
+            ),
+            heads,
+        )
 
     def _nonfinite(self, call: Call) -> None:
         t = self.transport
         flags = gather_texts(t, "agreement details", "1" if self._send[_NONFINITE] else "0")
         ranks = [r for r, f in enumerate(flags) if f == "1"]
         raise NonFiniteError(
-            on_rank(t.rank, f"{call.describe()}: rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} "
-                    "contributed NaN or Inf; nothing was reduced, so the other replicas keep finite values. Find "
-                    "where the non-finite values come from (learning rate, loss scale, bad input), or turn the "
-                    "guard off with check_finite=False."), ranks)
+            on_rank(
+                t.rank,
+                f"{call.describe()}: rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)} "
+                "contributed NaN or Inf; nothing was reduced, so the other replicas keep finite values. Find "
+                "where the non-finite values come from (learning rate, loss scale, bad input), or turn the "
+                "guard off with check_finite=False.",
+            ),
+            ranks,
+        )
 
 
 def _nonfinite(data: Any) -> bool:
@@ -517,10 +578,13 @@ def _left_ranks(count: int, s1: float, s2: float) -> tuple[int, ...]:
 def _left_message(rank: int, count: int, s1: float, s2: float, what: str, seq: int) -> str:
     ranks = _left_ranks(count, s1, s2)
     who = f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}" if ranks else f"{count} ranks"
-    return on_rank(rank, f"{who} left the job (the script returned or called sys.exit) while this rank "
-                         f"entered collective #{seq} ({what}); every rank must make the same collective calls, so "
-                         "the ranks that stay cannot go on. Make every rank run the same steps, or end all ranks "
-                         "together.")
+    return on_rank(
+        rank,
+        f"{who} left the job (the script returned or called sys.exit) while this rank "
+        f"entered collective #{seq} ({what}); every rank must make the same collective calls, so "
+        "the ranks that stay cannot go on. Make every rank run the same steps, or end all ranks "
+        "together.",
+    )
 
 
 def leave_all() -> None:

@@ -7,6 +7,7 @@ pinned host memory when MPI is not CUDA-aware. Nothing here communicates, and
 nothing is probed at import time: CuPy is imported the first time a GPU
 backend is asked for.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,18 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["Backend", "DeviceStager", "array_module", "contiguous", "cupy_or_none", "cupy_version", "data_pointer",
-           "is_device_array", "nccl_status", "to_host"]
+__all__ = [
+    "Backend",
+    "DeviceStager",
+    "array_module",
+    "contiguous",
+    "cupy_or_none",
+    "cupy_version",
+    "data_pointer",
+    "is_device_array",
+    "nccl_status",
+    "to_host",
+]
 
 
 def cupy_or_none() -> Optional[ModuleType]:

@@ -16,6 +16,7 @@ run in cache-sized pieces, each by the algorithm
 :mod:`~mpidist._comm.fusion`. :meth:`Communicator.outcome` asks whether every
 rank succeeded (:mod:`~mpidist._comm.outcome`).
 """
+
 from __future__ import annotations
 
 import os
@@ -66,12 +67,16 @@ class Communicator:
             node-local rank.
     """
 
-    def __init__(self, comm: Optional[MPI.Comm] = None, options: Optional[Options] = None,
-                 backend: Optional[Backend] = None) -> None:
+    def __init__(
+        self, comm: Optional[MPI.Comm] = None, options: Optional[Options] = None, backend: Optional[Backend] = None
+    ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
-            raise TypeError(on_rank(None, "comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), "
-                                          f"got {type(base).__name__}"))
+            raise TypeError(
+                on_rank(
+                    None, f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(base).__name__}"
+                )
+            )
         self.options = options if options is not None else Options.resolve()
         try:
             self._comm = base.Dup()
@@ -79,8 +84,9 @@ class Communicator:
             self._transport = Transport(self._comm, self.options)
             self._algorithms = Algorithms(self._transport, self._topology)
         except MPI.Exception as exc:
-            raise CommError(on_rank(base.rank, f"could not set up mpidist's communicator: "
-                                               f"{exc.Get_error_string()}")) from exc
+            raise CommError(
+                on_rank(base.rank, f"could not set up mpidist's communicator: {exc.Get_error_string()}")
+            ) from exc
         self._agreement = Agreement(self._transport)
         install_exit_hook()
         self.rank: int = self._comm.rank
@@ -125,8 +131,11 @@ class Communicator:
                 self._node_communicator = Communicator(split, self.options, self.backend)
                 split.Free()
             else:
-                self._node_communicator = self if self._topology.num_nodes == 1 else Communicator(
-                    self._topology.node, self.options, self.backend)
+                self._node_communicator = (
+                    self
+                    if self._topology.num_nodes == 1
+                    else Communicator(self._topology.node, self.options, self.backend)
+                )
         return self._node_communicator
 
     def free(self) -> None:
@@ -149,8 +158,15 @@ class Communicator:
         return f"<Communicator rank {self.rank} of {self.size}, {self.backend!r}>"
 
     # -- collectives -------------------------------------------------------------
-    def allreduce(self, array: Any, op: Union[ReduceOp, str] = ReduceOp.SUM, *, out: Any = None,
-                  inplace: bool = False, name: str = "array") -> Any:
+    def allreduce(
+        self,
+        array: Any,
+        op: Union[ReduceOp, str] = ReduceOp.SUM,
+        *,
+        out: Any = None,
+        inplace: bool = False,
+        name: str = "array",
+    ) -> Any:
         """Collective: reduce ``array`` elementwise across all ranks.
 
         Returns the reduced array (``array`` itself when ``inplace``, else a new
@@ -164,8 +180,15 @@ class Communicator:
         """
         return self._allreduce(array, op, out, inplace, name, blocking=True)
 
-    def iallreduce(self, array: Any, op: Union[ReduceOp, str] = ReduceOp.SUM, *, out: Any = None,
-                   inplace: bool = False, name: str = "array") -> Handle:
+    def iallreduce(
+        self,
+        array: Any,
+        op: Union[ReduceOp, str] = ReduceOp.SUM,
+        *,
+        out: Any = None,
+        inplace: bool = False,
+        name: str = "array",
+    ) -> Handle:
         """Collective, nonblocking :meth:`allreduce`: returns a :class:`Handle`.
 
         Don't touch ``array`` (or ``out``) until ``handle.wait()`` returned.
@@ -200,8 +223,14 @@ class Communicator:
         """Collective, nonblocking :meth:`allgather`: returns a :class:`Handle`."""
         return self._allgather(array, name, blocking=False)
 
-    def reduce_scatter(self, array: Any, op: Union[ReduceOp, str] = ReduceOp.SUM,
-                       counts: Optional[Sequence[int]] = None, *, name: str = "array") -> Any:
+    def reduce_scatter(
+        self,
+        array: Any,
+        op: Union[ReduceOp, str] = ReduceOp.SUM,
+        counts: Optional[Sequence[int]] = None,
+        *,
+        name: str = "array",
+    ) -> Any:
         """Collective: reduce ``array`` across ranks, then give each rank its block of axis 0.
 
         ``counts[r]`` rows go to rank ``r``; by default rows are split as evenly
@@ -253,9 +282,16 @@ class Communicator:
         return gather_failures(self._transport, error, f"{name} (failures)")
 
     # -- many arrays at once ------------------------------------------------------------
-    def reduce_apply(self, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Optional[ReduceOp]],
-                     fn: UpdateFn, names: Sequence[str], in_place: bool = False,
-                     error: Optional[Exception] = None) -> None:
+    def reduce_apply(
+        self,
+        sends: Sequence[Any],
+        targets: Sequence[Any],
+        ops: Sequence[Optional[ReduceOp]],
+        fn: UpdateFn,
+        names: Sequence[str],
+        in_place: bool = False,
+        error: Optional[Exception] = None,
+    ) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
         ``ops[i]`` ``None`` means rank 0's value. ``fn`` updates its first
@@ -272,8 +308,14 @@ class Communicator:
         """
         self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error)
 
-    def allreduce_many(self, arrays: Sequence[Any], op: Union[ReduceOp, str] = ReduceOp.SUM,
-                       names: Optional[Sequence[str]] = None, *, out: Optional[Sequence[Any]] = None) -> list[Any]:
+    def allreduce_many(
+        self,
+        arrays: Sequence[Any],
+        op: Union[ReduceOp, str] = ReduceOp.SUM,
+        names: Optional[Sequence[str]] = None,
+        *,
+        out: Optional[Sequence[Any]] = None,
+    ) -> list[Any]:
         """Collective: every array reduced by ``op``, as new arrays (or into ``out``); the inputs are left as they are.
 
         Small arrays share MPI calls through a reusable bucket; one agreement
@@ -284,9 +326,13 @@ class Communicator:
         """
         return self._fusion.allreduce_many(arrays, ReduceOp.of(op), _names(names, len(arrays)), out)
 
-    def iallreduce_many(self, arrays: Sequence[Any], op: Union[ReduceOp, str] = ReduceOp.SUM,
-                        names: Optional[Sequence[str]] = None,
-                        then: Callable[[list[Any]], Any] = list) -> Handle:
+    def iallreduce_many(
+        self,
+        arrays: Sequence[Any],
+        op: Union[ReduceOp, str] = ReduceOp.SUM,
+        names: Optional[Sequence[str]] = None,
+        then: Callable[[list[Any]], Any] = list,
+    ) -> Handle:
         """Collective, nonblocking :meth:`allreduce_many`: ``wait()`` returns ``then(list of results)``.
 
         The inputs are copied when the call starts, so they may change afterwards.
@@ -332,8 +378,11 @@ class Communicator:
             op, error = self._op(op)
         error = error or validate(array, op, name, self.rank, writable=inplace)
         if error is None and out is not None:
-            error = (ValueError(on_rank(self.rank, f"allreduce of {name!r}: pass either inplace=True or out=, "
-                                                   "not both")) if inplace else self._out_error(array, out, name))
+            error = (
+                ValueError(on_rank(self.rank, f"allreduce of {name!r}: pass either inplace=True or out=, not both"))
+                if inplace
+                else self._out_error(array, out, name)
+            )
         if error is None:
             target = array if inplace else out if out is not None else array_module(array).empty_like(array)
         agreement = self._agreement
@@ -343,8 +392,9 @@ class Communicator:
                 raise error
             if blocking and self._one_call(target) and not self._checked(op, array):
                 # the common small host case: one piece, no staging (the per-update latency path)
-                self._choose(target.nbytes).reduce("allreduce", None if target is array else array, target,
-                                                   self._transport.mpi_op(op, array.dtype))
+                self._choose(target.nbytes).reduce(
+                    "allreduce", None if target is array else array, target, self._transport.mpi_op(op, array.dtype)
+                )
                 if op is ReduceOp.MEAN:
                     divide_in_place(target, self.size)
                 return target
@@ -366,10 +416,14 @@ class Communicator:
             self._store(carried.reshape(target.shape), target, op, name)
             return [], lambda: target
 
-        call = Call(Kind.ALLREDUCE, name, op, array.dtype.char, tuple(array.shape)) if error is None else Call(
-            Kind.ALLREDUCE, name)
-        return Handle(self._transport, agreement.start(call, error, array, self.options.check_finite, then),
-                      keep=(array, out))
+        call = (
+            Call(Kind.ALLREDUCE, name, op, array.dtype.char, tuple(array.shape))
+            if error is None
+            else Call(Kind.ALLREDUCE, name)
+        )
+        return Handle(
+            self._transport, agreement.start(call, error, array, self.options.check_finite, then), keep=(array, out)
+        )
 
     def _store(self, carried: np.ndarray, target: Any, op: ReduceOp, name: str) -> None:
         """Local: the sums carried by the agreement record (shaped like ``target``) into ``target``."""
@@ -388,8 +442,9 @@ class Communicator:
         else:
             target[...] = carried
 
-    def _reduce_data(self, array: Any, target: Any, op: ReduceOp, name: str, blocking: bool, *,
-                     check: bool = True) -> Any:
+    def _reduce_data(
+        self, array: Any, target: Any, op: ReduceOp, name: str, blocking: bool, *, check: bool = True
+    ) -> Any:
         """Collective, once agreed: ``target`` <- the reduction of every rank's ``array``, in pieces.
 
         Integer sums are checked with ``options.check_overflow`` (unless ``check`` is false).
@@ -444,8 +499,11 @@ class Communicator:
     def _broadcast(self, array: Any, root: Any, name: str, blocking: bool) -> Any:
         error: Optional[Exception] = None
         if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < self.size:
-            error = ValueError(on_rank(self.rank, f"broadcast of {name!r}: root {root!r} is not a rank of a "
-                                                  f"{self.size}-rank communicator"))
+            error = ValueError(
+                on_rank(
+                    self.rank, f"broadcast of {name!r}: root {root!r} is not a rank of a {self.size}-rank communicator"
+                )
+            )
             root = 0
         error = error or validate(array, None, name, self.rank, writable=True)
         call = Call(Kind.BROADCAST, name, None, *_layout(array, error), root=int(root))
@@ -480,8 +538,11 @@ class Communicator:
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
             if out is not None:
                 self._check_gather_out(out, (int(lengths.sum()),) + shape[1:], array.dtype, name)
-            result = out if out is not None else array_module(array).empty((int(lengths.sum()),) + shape[1:],
-                                                                           dtype=array.dtype)
+            result = (
+                out
+                if out is not None
+                else array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
+            )
             send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
 
@@ -510,24 +571,36 @@ class Communicator:
             except (TypeError, ValueError):
                 given = None
             if given is None or len(given) != self.size or sum(given) != rows or min(given) < 0:
-                error = ValueError(on_rank(self.rank, f"reduce_scatter of {name!r}: counts {given} must be "
-                                                      f"{self.size} non-negative numbers adding up to {rows} rows"))
+                error = ValueError(
+                    on_rank(
+                        self.rank,
+                        f"reduce_scatter of {name!r}: counts {given} must be "
+                        f"{self.size} non-negative numbers adding up to {rows} rows",
+                    )
+                )
             else:
                 split = given
-        call = Call(Kind.REDUCE_SCATTER, name, op, *_layout(array, error),
-                    extra=tuple(split) if error is None else None)
+        call = Call(
+            Kind.REDUCE_SCATTER, name, op, *_layout(array, error), extra=tuple(split) if error is None else None
+        )
 
         def then(_: Any) -> Any:
             row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
             if self._checked(op, array):  # the whole exact sum, then this rank's block of it
-                start = sum(split[:self.rank]) * row
-                block = self._checked_sum(array, name)[start:start + split[self.rank] * row]
+                start = sum(split[: self.rank]) * row
+                block = self._checked_sum(array, name)[start : start + split[self.rank] * row]
                 return block.reshape((split[self.rank],) + tuple(array.shape[1:]))
             result = array_module(array).empty((split[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
-            self._transport.run(f"reduce_scatter of {name!r}", "Reduce_scatter", send, recv,
-                                [c * row for c in split], self._transport.mpi_op(op, array.dtype))
+            self._transport.run(
+                f"reduce_scatter of {name!r}",
+                "Reduce_scatter",
+                send,
+                recv,
+                [c * row for c in split],
+                self._transport.mpi_op(op, array.dtype),
+            )
             self.backend.from_mpi(result, recv)
             if op is ReduceOp.MEAN:
                 divide_in_place(result, self.size)
@@ -535,8 +608,9 @@ class Communicator:
 
         return self._agreed(call, error, then, blocking=True)
 
-    def _agreed(self, call: Call, error: Optional[Exception], then: Callable[[Any], Any], blocking: bool,
-                keep: tuple = ()) -> Any:
+    def _agreed(
+        self, call: Call, error: Optional[Exception], then: Callable[[Any], Any], blocking: bool, keep: tuple = ()
+    ) -> Any:
         """Collective: run ``then`` once the ranks agreed on ``call`` (directly when agreement is off)."""
         if not self._agreement.enabled:
             self._transport.begin()
@@ -551,24 +625,42 @@ class Communicator:
 
     def _check_gather_out(self, out: Any, shape: tuple, dtype: Any, name: str) -> None:
         """Collective: every rank's ``out=`` of an allgather fits the result, or every rank raises."""
-        fits = (getattr(out, "shape", None) == shape and getattr(out, "dtype", None) == dtype
-                and out.flags.c_contiguous and out.flags.writeable)
+        fits = (
+            getattr(out, "shape", None) == shape
+            and getattr(out, "dtype", None) == dtype
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        )
         bad = np.array([0 if fits else self.rank + 1], dtype=np.int64)
         self._transport.run(f"allgather of {name!r} (out=)", "Allreduce", MPI.IN_PLACE, bad, MPI.MAX)
         if not fits:
             got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
-            raise ValueError(on_rank(self.rank, f"allgather of {name!r}: out= must be a writable contiguous array "
-                                                f"of shape {shape} and dtype {dtype}, got {got}"))
+            raise ValueError(
+                on_rank(
+                    self.rank,
+                    f"allgather of {name!r}: out= must be a writable contiguous array "
+                    f"of shape {shape} and dtype {dtype}, got {got}",
+                )
+            )
         if bad[0]:
-            raise CollectiveMismatchError(on_rank(
-                self.rank, f"allgather of {name!r}: rank {format_ranks([int(bad[0]) - 1])} (at least) passed an out= "
-                "that does not fit the result; nothing was gathered"))
+            raise CollectiveMismatchError(
+                on_rank(
+                    self.rank,
+                    f"allgather of {name!r}: rank {format_ranks([int(bad[0]) - 1])} (at least) passed an out= "
+                    "that does not fit the result; nothing was gathered",
+                )
+            )
 
     def _out_error(self, array: Any, out: Any, name: str) -> Optional[Exception]:
         if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
             got = f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}"
-            return ValueError(on_rank(self.rank, f"allreduce of {name!r}: out= must have the input's shape "
-                                                 f"{tuple(array.shape)} and dtype {array.dtype}, got {got}"))
+            return ValueError(
+                on_rank(
+                    self.rank,
+                    f"allreduce of {name!r}: out= must have the input's shape "
+                    f"{tuple(array.shape)} and dtype {array.dtype}, got {got}",
+                )
+            )
         if not out.flags.c_contiguous or not out.flags.writeable:
             return ValueError(on_rank(self.rank, f"allreduce of {name!r}: out= must be C-contiguous and writable"))
         return None

@@ -10,6 +10,7 @@ The decision and its reason are reported once per process on rank 0 (the
 ``mpidist.comm`` logger, level INFO; a warning when ``"auto"`` falls back to
 staging) and returned by :func:`decide_cuda_aware` for reports.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -60,22 +61,36 @@ class CudaAwareness:
 
     def describe(self) -> str:
         """One line: the transfer path in use and why."""
-        path = ("device buffers go to MPI directly (CUDA-aware)" if self.enabled else
-                "device buffers are staged through pinned host memory")
+        path = (
+            "device buffers go to MPI directly (CUDA-aware)"
+            if self.enabled
+            else "device buffers are staged through pinned host memory"
+        )
         return f"{path}: {self.reason}"
 
 
 # Outcomes of "auto", worst first: the ranks agree on the MIN.
 _NO_QUERY, _QUERY_NO, _SELF_TEST_FAILED, _CONFIRMED = range(4)
 _AUTO_REASONS = {
-    _NO_QUERY: ("query", "cuda_aware='auto' and the MPI library has no CUDA-support query "
-                         "(MPIX_Query_cuda_support) on at least one rank"),
-    _QUERY_NO: ("query", "cuda_aware='auto' and MPIX_Query_cuda_support() says the MPI library is not "
-                         "CUDA-aware on at least one rank"),
-    _SELF_TEST_FAILED: ("self-test", "cuda_aware='auto': the MPI library claims CUDA support, but the one-time "
-                                     "device-buffer allreduce failed or gave a wrong sum on at least one rank"),
-    _CONFIRMED: ("self-test", "cuda_aware='auto': the MPI library claims CUDA support and the one-time "
-                              "device-buffer allreduce gave the right sum on every rank"),
+    _NO_QUERY: (
+        "query",
+        "cuda_aware='auto' and the MPI library has no CUDA-support query "
+        "(MPIX_Query_cuda_support) on at least one rank",
+    ),
+    _QUERY_NO: (
+        "query",
+        "cuda_aware='auto' and MPIX_Query_cuda_support() says the MPI library is not CUDA-aware on at least one rank",
+    ),
+    _SELF_TEST_FAILED: (
+        "self-test",
+        "cuda_aware='auto': the MPI library claims CUDA support, but the one-time "
+        "device-buffer allreduce failed or gave a wrong sum on at least one rank",
+    ),
+    _CONFIRMED: (
+        "self-test",
+        "cuda_aware='auto': the MPI library claims CUDA support and the one-time "
+        "device-buffer allreduce gave the right sum on every rank",
+    ),
 }
 _reported: set[CudaAwareness] = set()
 
@@ -92,8 +107,11 @@ def decide_cuda_aware(comm: MPI.Intracomm, backend: Backend, setting: str) -> Cu
         return CudaAwareness(False, "host arrays: no device buffers to hand to MPI", "host")
     if setting in ("0", "1"):
         state = "on" if setting == "1" else "off"
-        return CudaAwareness(setting == "1", f"cuda_aware={setting!r} (MPIDIST_CUDA_AWARE or the options) "
-                                             f"turns it {state} without a check", "setting")
+        return CudaAwareness(
+            setting == "1",
+            f"cuda_aware={setting!r} (MPIDIST_CUDA_AWARE or the options) turns it {state} without a check",
+            "setting",
+        )
     if setting != "auto":
         raise ValueError(f"cuda_aware must be '1', '0' or 'auto', got {setting!r}")
     supported = library_cuda_support()
@@ -119,8 +137,15 @@ def resolve_cuda_aware(comm: MPI.Intracomm, backend: Backend, setting: str) -> C
         _reported.add(decision)
         logger.info("%s", on_rank(None, decision.describe()))
         if setting == "auto" and not decision.enabled:
-            warnings.warn(on_rank(None, f"{decision.describe()}. Set MPIDIST_CUDA_AWARE=1 to skip the check on an "
-                                        "MPI you know is CUDA-aware."), RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                on_rank(
+                    None,
+                    f"{decision.describe()}. Set MPIDIST_CUDA_AWARE=1 to skip the check on an "
+                    "MPI you know is CUDA-aware.",
+                ),
+                RuntimeWarning,
+                stacklevel=4,
+            )
     return decision
 
 

@@ -10,6 +10,7 @@ have not arrived, and at the deadline it raises
 communicator is unusable. Everything here is local; the queries are
 point-to-point messages on the private communicator.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,16 +95,27 @@ class Deadline:
                     return  # completed while asking
                 if now < deadline:
                     warned = True
-                    warnings.warn(on_rank(self.rank, f"still waiting after {now - begun:.3g} s in {what} "
-                                                     f"(collective #{self.seq}); {_missing_text(missing)}"),
-                                  RuntimeWarning, stacklevel=3)
+                    warnings.warn(
+                        on_rank(
+                            self.rank,
+                            f"still waiting after {now - begun:.3g} s in {what} "
+                            f"(collective #{self.seq}); {_missing_text(missing)}",
+                        ),
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                     continue
                 self.broken = f"{what} (collective #{self.seq}) never completed"
-                raise CollectiveTimeoutError(on_rank(
-                    self.rank, f"{what} (collective #{self.seq}) did not complete within {timeout:g} s; "
-                    f"{_missing_text(missing)}. A rank that skips a collective, calls a different one, or "
-                    "died leaves the others waiting; every rank must call the same collectives in the same "
-                    "order. The communicator is unusable from now on."), missing)
+                raise CollectiveTimeoutError(
+                    on_rank(
+                        self.rank,
+                        f"{what} (collective #{self.seq}) did not complete within {timeout:g} s; "
+                        f"{_missing_text(missing)}. A rank that skips a collective, calls a different one, or "
+                        "died leaves the others waiting; every rank must call the same collectives in the same "
+                        "order. The communicator is unusable from now on.",
+                    ),
+                    missing,
+                )
             if now - begun < _YIELD:  # a late peer (descheduled, a slow piece): keep the progress going
                 os.sched_yield()
             else:
@@ -148,5 +160,7 @@ class Deadline:
 def _missing_text(missing: list[int]) -> str:
     if not missing:
         return "every rank answered, so all are inside collectives of this communicator but not the same one"
-    return (f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)} "
-            f"{'have' if len(missing) > 1 else 'has'} not arrived (missing or unreachable)")
+    return (
+        f"rank{'s' if len(missing) > 1 else ''} {format_ranks(missing)} "
+        f"{'have' if len(missing) > 1 else 'has'} not arrived (missing or unreachable)"
+    )

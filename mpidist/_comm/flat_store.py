@@ -8,6 +8,7 @@ a span of such arrays (:func:`span`), and makes zero-filled arrays laid out
 like given ones (:func:`zeros_like_layout`), for example gradients of flat
 variables. Everything here is local: nothing communicates.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,8 +27,13 @@ _SLAB_BYTES = 64 << 20
 def _owner(array: Any) -> Optional[tuple[Any, int]]:
     """``(flat view of the buffer array is a view of, offset of array in it)``, or ``None``."""
     base = array.base
-    if (base is None or not hasattr(base, "dtype") or base.dtype != array.dtype
-            or not base.flags.c_contiguous or not array.flags.c_contiguous):
+    if (
+        base is None
+        or not hasattr(base, "dtype")
+        or base.dtype != array.dtype
+        or not base.flags.c_contiguous
+        or not array.flags.c_contiguous
+    ):
         return None
     offset, rest = divmod(data_pointer(array) - data_pointer(base), array.itemsize)
     if rest or offset < 0 or offset + array.size > base.size:
@@ -47,7 +53,7 @@ def span(arrays: Sequence[Any]) -> Any:
     if len(arrays) == 1:
         return arrays[0].reshape(-1)
     flat, offset = _owner(arrays[0])  # type: ignore[misc]  # joinable arrays have an owner
-    return flat[offset:offset + sum(a.size for a in arrays)]
+    return flat[offset : offset + sum(a.size for a in arrays)]
 
 
 class FlatStore:
@@ -75,7 +81,7 @@ class FlatStore:
         if buffer is None or used + n > buffer.size:
             buffer, used = self._xp.zeros(slab, dtype=dtype), 0
         self._open[dtype.str] = (buffer, used + n)
-        return buffer[used:used + n].reshape(shape)
+        return buffer[used : used + n].reshape(shape)
 
 
 def zeros_like_layout(arrays: Sequence[Any], xp: ModuleType) -> list[Any]:
@@ -94,7 +100,7 @@ def zeros_like_layout(arrays: Sequence[Any], xp: ModuleType) -> list[Any]:
         buffer = xp.zeros(sum(a.size for a in members), dtype=members[0].dtype)
         offset = 0
         for a in members:
-            result.append(buffer[offset:offset + a.size].reshape(a.shape))
+            result.append(buffer[offset : offset + a.size].reshape(a.shape))
             offset += a.size
         start = end
     return result

@@ -25,6 +25,7 @@ array that differs. ``op`` ``None`` means rank 0's value (a broadcast).
 Each MPI call's reduction algorithm is the one
 :meth:`~mpidist._comm.algorithms.Algorithms.choose` picks for its size.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -54,8 +55,9 @@ class Fusion:
     Local construction. Every method is collective over the transport's communicator.
     """
 
-    def __init__(self, transport: Transport, agreement: Agreement, algorithms: Algorithms, backend: Backend,
-                 cuda_aware: bool) -> None:
+    def __init__(
+        self, transport: Transport, agreement: Agreement, algorithms: Algorithms, backend: Backend, cuda_aware: bool
+    ) -> None:
         self._transport = transport
         self._agreement = agreement
         self._choose = algorithms.choose
@@ -65,8 +67,16 @@ class Fusion:
         self._buckets: dict[tuple[type, np.dtype], Any] = {}
 
     # -- reduce and apply ------------------------------------------------------------
-    def reduce_apply(self, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op], fn: UpdateFn,
-                     names: Sequence[str], in_place: bool = False, error: Optional[Exception] = None) -> None:
+    def reduce_apply(
+        self,
+        sends: Sequence[Any],
+        targets: Sequence[Any],
+        ops: Sequence[Op],
+        fn: UpdateFn,
+        names: Sequence[str],
+        in_place: bool = False,
+        error: Optional[Exception] = None,
+    ) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
         ``fn`` must update its first argument in place, elementwise: it is
@@ -82,15 +92,25 @@ class Fusion:
         """
         if self._options.check_overflow and any(overflow.applies(op, a.dtype) for a, op in zip(sends, ops)):
             what = _what(sends, ops, names)
-            self._agree(sends, ops, names, error,
-                        lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried))
+            self._agree(
+                sends,
+                ops,
+                names,
+                error,
+                lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried),
+            )
             return
         if len(sends) == 1 and error is None:
             send, op = sends[0], ops[0]
             if validate(send, op, names[0], self._transport.rank) is None:  # the per-update path, kept short
                 if self._agreement.enabled:
-                    carried = self._agreement.agree_array(Kind.BROADCAST if op is None else Kind.ALLREDUCE, names[0],
-                                                          op, send, self._options.check_finite and op is not None)
+                    carried = self._agreement.agree_array(
+                        Kind.BROADCAST if op is None else Kind.ALLREDUCE,
+                        names[0],
+                        op,
+                        send,
+                        self._options.check_finite and op is not None,
+                    )
                 else:  # every check off: straight to the data
                     self._transport.begin()
                     carried = None
@@ -117,8 +137,9 @@ class Fusion:
 
         self._agree(sends, ops, names, error, then)
 
-    def _reduce_apply(self, what: str, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op],
-                      fn: UpdateFn, in_place: bool) -> None:
+    def _reduce_apply(
+        self, what: str, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op], fn: UpdateFn, in_place: bool
+    ) -> None:
         if len(sends) == 1:  # the per-update latency path
             self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place)
             return
@@ -137,8 +158,17 @@ class Fusion:
                 used += send.nbytes
             self._flush(what, bucket, op, fn, in_place)
 
-    def _checked_apply(self, what: str, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op],
-                       fn: UpdateFn, names: Sequence[str], in_place: bool, carried: Optional[np.ndarray]) -> None:
+    def _checked_apply(
+        self,
+        what: str,
+        sends: Sequence[Any],
+        targets: Sequence[Any],
+        ops: Sequence[Op],
+        fn: UpdateFn,
+        names: Sequence[str],
+        in_place: bool,
+        carried: Optional[np.ndarray],
+    ) -> None:
         """:meth:`_reduce_apply` with integer sums checked: every checked sum first, then any write.
 
         ``carried`` holds the float64 sums of one small array, when the
@@ -161,8 +191,9 @@ class Fusion:
                 sends[i].reshape(-1)[...] = reduced
         rest = [i for i in range(len(sends)) if i not in sums]
         if rest:
-            self._reduce_apply(what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest],
-                               fn, in_place)
+            self._reduce_apply(
+                what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest], fn, in_place
+            )
 
     def _stream(self, what: str, send: Any, target: Any, op: Op, fn: UpdateFn, in_place: bool) -> None:
         """Reduce the flat ``send`` piece by piece (into the bucket, or where it is), applying ``fn`` after each.
@@ -174,16 +205,24 @@ class Fusion:
         if fn is _into and op is not None and not in_place:
             alias = data_pointer(send) == data_pointer(target)  # out= is the input itself: reduce it in place
             for lo in range(0, send.size, step):
-                self._transfer(what, None if alias else send[lo:lo + step], target[lo:lo + step], op)
+                self._transfer(what, None if alias else send[lo : lo + step], target[lo : lo + step], op)
             return
         if send.size <= step:  # one piece: the common case of small arrays, kept short
-            fn(target, self._transfer(what, None, send, op) if in_place else
-               self._transfer(what, send, bucket[:send.size], op))
+            fn(
+                target,
+                self._transfer(what, None, send, op)
+                if in_place
+                else self._transfer(what, send, bucket[: send.size], op),
+            )
             return
         for lo in range(0, send.size, step):
             hi = min(lo + step, send.size)
-            fn(target[lo:hi], self._transfer(what, None, send[lo:hi], op) if in_place else
-               self._transfer(what, send[lo:hi], bucket[:hi - lo], op))
+            fn(
+                target[lo:hi],
+                self._transfer(what, None, send[lo:hi], op)
+                if in_place
+                else self._transfer(what, send[lo:hi], bucket[: hi - lo], op),
+            )
 
     def _flush(self, what: str, spans: list[tuple[Any, Any]], op: Op, fn: UpdateFn, in_place: bool) -> None:
         """Pack ``spans`` (flat sends and targets, together at most one bucket) and reduce them with one call."""
@@ -194,19 +233,20 @@ class Fusion:
         bucket = self._bucket(spans[0][0])
         offset = 0
         for send, _ in spans:
-            bucket[offset:offset + send.size] = send
+            bucket[offset : offset + send.size] = send
             offset += send.size
         reduced = self._transfer(what, None, bucket[:offset], op)
         offset = 0
         for send, target in spans:
-            fn(target, reduced[offset:offset + send.size])
+            fn(target, reduced[offset : offset + send.size])
             if in_place:
-                send[...] = reduced[offset:offset + send.size]
+                send[...] = reduced[offset : offset + send.size]
             offset += send.size
 
     # -- reductions that return new arrays -------------------------------------------------
-    def allreduce_many(self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str],
-                       out: Optional[Sequence[Any]] = None) -> list[Any]:
+    def allreduce_many(
+        self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str], out: Optional[Sequence[Any]] = None
+    ) -> list[Any]:
         """Collective: every array reduced by ``op``, into ``out`` or new arrays; the inputs are left as they are.
 
         The reduction runs as :meth:`reduce_apply` into one array per input:
@@ -225,8 +265,9 @@ class Fusion:
         self.reduce_apply(arrays, results, [op] * len(arrays), _assign if out is None else _into, names, error=error)
         return results
 
-    def iallreduce_many(self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str],
-                        then: Callable[[list[Any]], Any] = list) -> Handle:
+    def iallreduce_many(
+        self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str], then: Callable[[list[Any]], Any] = list
+    ) -> Handle:
         """Collective, nonblocking :meth:`allreduce_many`: ``wait()`` returns ``then(list of results)``.
 
         The inputs are copied when the call starts, so they may change
@@ -253,7 +294,8 @@ class Fusion:
                 host = self._backend.to_mpi(out, self._cuda_aware, reuse=False)
                 reduction = self._choose(host.nbytes)
                 started, complete = reduction.start(
-                    what, [(None, host[lo:hi]) for lo, hi in reduction.pieces(host)], t.mpi_op(op, out.dtype))
+                    what, [(None, host[lo:hi]) for lo, hi in reduction.pieces(host)], t.mpi_op(op, out.dtype)
+                )
                 requests += started
 
                 def step(out: Any = out, host: Any = host, complete: Callable[[], None] = complete) -> None:
@@ -275,8 +317,13 @@ class Fusion:
             t.begin()
             return Handle(t, None, start(None), keep=tuple(copies))
         ops = [op] * len(arrays)
-        ticket = self._agreement.start(self._call(arrays, ops, names), self._error(arrays, ops, names),
-                                       list(arrays), self._options.check_finite, start)
+        ticket = self._agreement.start(
+            self._call(arrays, ops, names),
+            self._error(arrays, ops, names),
+            list(arrays),
+            self._options.check_finite,
+            start,
+        )
         return Handle(t, ticket, keep=tuple(copies))
 
     # -- agreement ------------------------------------------------------------------------
@@ -296,10 +343,16 @@ class Fusion:
             kind = Kind.BROADCAST if ops[0] is None else Kind.ALLREDUCE
             return Call(kind, names[0], ops[0], a.dtype.char, tuple(a.shape))
         specs = tuple((None if op is None else op.value, a.dtype.str, tuple(a.shape)) for a, op in zip(arrays, ops))
-        return Call(Kind.FUSED, _what(arrays, ops, names)[len("fused reduction of "):], extra=(specs, tuple(names)))
+        return Call(Kind.FUSED, _what(arrays, ops, names)[len("fused reduction of ") :], extra=(specs, tuple(names)))
 
-    def _agree(self, arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str], error: Optional[Exception],
-               then: Callable[[Optional[np.ndarray]], None]) -> None:
+    def _agree(
+        self,
+        arrays: Sequence[Any],
+        ops: Sequence[Op],
+        names: Sequence[str],
+        error: Optional[Exception],
+        then: Callable[[Optional[np.ndarray]], None],
+    ) -> None:
         """Collective: agree on the list (with this rank's ``error``, if any), then run ``then``."""
         error = error or self._error(arrays, ops, names)
         if not self._agreement.enabled:
@@ -310,8 +363,9 @@ class Fusion:
             return
         call = self._call(arrays, ops, names) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
         data = arrays[0] if len(arrays) == 1 else [a for a, op in zip(arrays, ops) if op is not None]
-        self._agreement.start(call, error, data, self._options.check_finite and any(op is not None for op in ops),
-                              then).wait()
+        self._agreement.start(
+            call, error, data, self._options.check_finite and any(op is not None for op in ops), then
+        ).wait()
 
     # -- shared parts ---------------------------------------------------------------------
     def _outputs(self, arrays: Sequence[Any], members: list[int], results: list[Any]) -> Any:
@@ -320,7 +374,7 @@ class Fusion:
         out = array_module(first).empty(sum(arrays[i].size for i in members), dtype=first.dtype)
         offset = 0
         for i in members:
-            results[i] = out[offset:offset + arrays[i].size].reshape(arrays[i].shape)
+            results[i] = out[offset : offset + arrays[i].size].reshape(arrays[i].shape)
             offset += arrays[i].size
         return out
 
@@ -370,7 +424,6 @@ class Fusion:
         return [(key[1], members) for key, members in groups.items()]
 
 
-
 def _assign(target: Any, reduced: Any) -> None:
     target[...] = reduced
 
@@ -383,7 +436,6 @@ def _into(target: Any, reduced: Any) -> None:
     from the bucket.
     """
     target[...] = reduced
-
 
 
 def _spans(sends: Sequence[Any], targets: Sequence[Any]) -> list[tuple[Any, Any]]:
@@ -420,9 +472,17 @@ def _out_error(arrays: Sequence[Any], out: Sequence[Any], rank: int) -> Optional
     if len(out) != len(arrays):
         return ValueError(on_rank(rank, f"out= holds {len(out)} arrays for {len(arrays)} values"))
     for i, (a, o) in enumerate(zip(arrays, out)):
-        if getattr(o, "shape", None) != a.shape or getattr(o, "dtype", None) != a.dtype or not (
-                o.flags.c_contiguous and o.flags.writeable):
-            return ValueError(on_rank(rank, f"out[{i}] must be a writable contiguous array of shape "
-                                            f"{tuple(a.shape)} and dtype {a.dtype}, got "
-                                            f"{getattr(o, 'shape', type(o).__name__)} {getattr(o, 'dtype', '')}"))
+        if (
+            getattr(o, "shape", None) != a.shape
+            or getattr(o, "dtype", None) != a.dtype
+            or not (o.flags.c_contiguous and o.flags.writeable)
+        ):
+            return ValueError(
+                on_rank(
+                    rank,
+                    f"out[{i}] must be a writable contiguous array of shape "
+                    f"{tuple(a.shape)} and dtype {a.dtype}, got "
+                    f"{getattr(o, 'shape', type(o).__name__)} {getattr(o, 'dtype', '')}",
+                )
+            )
     return None

@@ -1,4 +1,5 @@
 """A nonblocking collective in flight."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -24,8 +25,9 @@ class Handle:
     keeps the arrays it reads and writes alive until it completes.
     """
 
-    def __init__(self, transport: Transport, ticket: Optional[Ticket], stage: Optional[Stage] = None,
-                 keep: tuple = ()) -> None:
+    def __init__(
+        self, transport: Transport, ticket: Optional[Ticket], stage: Optional[Stage] = None, keep: tuple = ()
+    ) -> None:
         self._transport = transport
         self._ticket = ticket
         self._stage = stage

@@ -3,6 +3,7 @@
 Local: reads what the library reports and the process's memory map; no
 communication. Part of the comm layer.
 """
+
 from __future__ import annotations
 
 from mpi4py import MPI
@@ -24,7 +25,6 @@ def libmpi_paths() -> list[str]:
     """Local: the ``libmpi`` shared objects mapped into this process, sorted (empty when unknown)."""
     try:
         with open("/proc/self/maps") as maps:
-            return sorted({line.split()[-1] for line in maps
-                           if "/libmpi" in line and line.split()[-1].startswith("/")})
+            return sorted({line.split()[-1] for line in maps if "/libmpi" in line and line.split()[-1].startswith("/")})
     except OSError:
         return []

@@ -13,6 +13,7 @@ same exchange (:func:`gather_texts`).
 :func:`describe_failures` and :func:`group_ranks` put such per-rank texts
 into one line, ranks with the same text grouped; both are local.
 """
+
 from __future__ import annotations
 
 from typing import Union

@@ -12,6 +12,7 @@ verdict without another message: either the sums fit the dtype and are
 written, or :class:`~mpidist.IntegerOverflowError` is raised before anything
 is written.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -40,7 +41,7 @@ def widen(array: Any) -> Any:
     if array.dtype.itemsize < 8:
         return flat.astype(np.int64)
     wide = xp.empty(2 * flat.size, dtype=np.int64)
-    high, low = wide[:flat.size], wide[flat.size:]
+    high, low = wide[: flat.size], wide[flat.size :]
     if array.dtype.kind == "i":
         xp.right_shift(flat, 32, out=high)  # arithmetic: the signed high half
     else:
@@ -78,8 +79,13 @@ def _refuse(xp: Any, bad: Any, exact: Any, dtype: np.dtype, name: str, rank: int
     info = np.iinfo(dtype)
     shown = ", ".join(f"[{i}] = {exact(i)}" for i in indices[:3])
     raise IntegerOverflowError(
-        on_rank(rank, f"the SUM of {name!r} does not fit dtype {dtype} ({info.min} to {info.max}) at {count} "
-                      f"element{'s' if count > 1 else ''} ({shown}{', ...' if count > 3 else ''}); nothing was "
-                      "written. Reduce a wider dtype (for example int64), or turn check_overflow off to wrap "
-                      "around as MPI does."),
-        name, indices)
+        on_rank(
+            rank,
+            f"the SUM of {name!r} does not fit dtype {dtype} ({info.min} to {info.max}) at {count} "
+            f"element{'s' if count > 1 else ''} ({shown}{', ...' if count > 3 else ''}); nothing was "
+            "written. Reduce a wider dtype (for example int64), or turn check_overflow off to wrap "
+            "around as MPI does.",
+        ),
+        name,
+        indices,
+    )

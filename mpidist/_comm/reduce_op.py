@@ -1,4 +1,5 @@
 """Reduction operations shared by the communicator and the strategy."""
+
 from __future__ import annotations
 
 import enum

@@ -8,6 +8,7 @@ The one place that splits a communicator by node. The
 consecutive ranks (:func:`group_split`), so that node-aware code can be tried
 on one machine.
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@ algorithm reduces them is the business of the layers above
 (:mod:`~mpidist._comm.agreement`, :mod:`~mpidist._comm.algorithms`,
 :mod:`~mpidist._comm.communicator`, :mod:`~mpidist._comm.fusion`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -23,8 +24,13 @@ from mpidist._options import Options
 
 __all__ = ["Transport"]
 
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MEAN: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX, ReduceOp.PROD: MPI.PROD}
+_MPI_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.MEAN: MPI.SUM,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PROD: MPI.PROD,
+}
 _BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND, ReduceOp.PROD: MPI.LAND}
 
 
@@ -125,4 +131,4 @@ class Transport(Deadline):
         displs = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         self.run(what, "Allgatherv", local, [joined, (lengths.tolist(), displs.tolist()), MPI.BYTE])
         blob = joined.tobytes()
-        return [blob[lo:lo + n] for lo, n in zip(displs.tolist(), lengths.tolist())]
+        return [blob[lo : lo + n] for lo, n in zip(displs.tolist(), lengths.tolist())]

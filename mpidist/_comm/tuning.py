@@ -14,6 +14,7 @@ never changed.
   where the ring's 2(N-1) steps cost more than they save for medium sizes,
   Open MPI's own choice stays.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ The context stack is per thread. Nothing here communicates by itself;
 :meth:`ReplicaContext.merge_call` and :meth:`ReplicaContext.all_reduce` are
 collective because what they run is.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,7 +29,7 @@ __all__ = ["ReplicaContext", "get_replica_context", "get_strategy", "in_cross_re
 class _Frame:
     __slots__ = ("strategy", "replica")
 
-    def __init__(self, strategy: "MPIStrategy", replica: Optional["ReplicaContext"]) -> None:
+    def __init__(self, strategy: MPIStrategy, replica: Optional[ReplicaContext]) -> None:
         self.strategy = strategy
         self.replica = replica
 
@@ -53,7 +54,7 @@ class enter_context:
 
     __slots__ = ("_frame",)
 
-    def __init__(self, strategy: "MPIStrategy", replica: Optional["ReplicaContext"] = None) -> None:
+    def __init__(self, strategy: MPIStrategy, replica: Optional[ReplicaContext] = None) -> None:
         top = _top()
         if top is not None and top.strategy is not strategy:
             raise RuntimeError(
@@ -69,13 +70,13 @@ class enter_context:
         _stack.frames.pop()
 
 
-def get_strategy() -> Optional["MPIStrategy"]:
+def get_strategy() -> Optional[MPIStrategy]:
     """The strategy whose ``scope()`` (or ``run``) is active in this thread, else ``None``. Local."""
     top = _top()
     return top.strategy if top else None
 
 
-def get_replica_context() -> Optional["ReplicaContext"]:
+def get_replica_context() -> Optional[ReplicaContext]:
     """The current :class:`ReplicaContext` inside ``strategy.run``; ``None`` elsewhere. Local."""
     top = _top()
     return top.replica if top else None
@@ -96,12 +97,11 @@ def _replica_id() -> Optional[int]:
 values.set_replica_id_source(_replica_id)
 
 
-def require_strategy(what: str) -> "MPIStrategy":
+def require_strategy(what: str) -> MPIStrategy:
     """The active strategy, or a ``RuntimeError`` saying where ``what`` must be called."""
     strategy = get_strategy()
     if strategy is None:
-        raise RuntimeError(f"{what} needs a strategy: call it inside `with strategy.scope():` "
-                           "(or inside strategy.run)")
+        raise RuntimeError(f"{what} needs a strategy: call it inside `with strategy.scope():` (or inside strategy.run)")
     return strategy
 
 
@@ -113,7 +113,7 @@ class ReplicaContext:
         replica_id_in_sync_group: this replica's id (the rank in the strategy's communicator).
     """
 
-    def __init__(self, strategy: "MPIStrategy", replica_id: int) -> None:
+    def __init__(self, strategy: MPIStrategy, replica_id: int) -> None:
         self.strategy = strategy
         self.replica_id_in_sync_group = replica_id
 
@@ -136,7 +136,7 @@ class ReplicaContext:
         """
         return self.strategy.extended.merge_call(merge_fn, tuple(args), dict(kwargs or {}))
 
-    def all_reduce(self, reduce_op: Union[ReduceOp, "VariableAggregation", str], value: Any, *, out: Any = None) -> Any:
+    def all_reduce(self, reduce_op: Union[ReduceOp, VariableAggregation, str], value: Any, *, out: Any = None) -> Any:
         """Collective: reduce a nest of arrays across replicas; every replica gets the result.
 
         ``reduce_op`` is a ``ReduceOp``, a ``VariableAggregation`` or a name

@@ -8,9 +8,11 @@ places new mirrored components (in flat storage when ``flat_variables`` is
 on). Every reduction runs on the strategy's
 :class:`~mpidist.Communicator`.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -19,11 +21,11 @@ from mpidist._comm.communicator import Communicator, Handle
 from mpidist._comm.flat_store import FlatStore
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._distribute.context import ReplicaContext, enter_context
-from mpidist._values.nest import flatten, map_structure, pack_sequence_as
-from mpidist._values.values import DistributedValues, PerReplica, regroup
 from mpidist._distribute.variables import DistributedVariable, VariableAggregation
 from mpidist._errors import on_rank
 from mpidist._options import Options
+from mpidist._values.nest import flatten, map_structure, pack_sequence_as
+from mpidist._values.values import DistributedValues, PerReplica, regroup
 
 if TYPE_CHECKING:
     from mpidist._distribute.strategy import MPIStrategy
@@ -35,8 +37,12 @@ AnyReduceOp = Union[ReduceOp, VariableAggregation, str]
 
 # How a variable's aggregation combines the replicas' values; None: replica 0's value. NONE
 # combines as SUM: how a sync-on-read variable without aggregation reads.
-_AGGREGATION_OPS = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.NONE: ReduceOp.SUM,
-                    VariableAggregation.MEAN: ReduceOp.MEAN, VariableAggregation.ONLY_FIRST_REPLICA: None}
+_AGGREGATION_OPS = {
+    VariableAggregation.SUM: ReduceOp.SUM,
+    VariableAggregation.NONE: ReduceOp.SUM,
+    VariableAggregation.MEAN: ReduceOp.MEAN,
+    VariableAggregation.ONLY_FIRST_REPLICA: None,
+}
 
 
 class StrategyExtended:
@@ -45,7 +51,7 @@ class StrategyExtended:
     Local construction (the strategy builds it); the methods say which are collective.
     """
 
-    def __init__(self, strategy: "MPIStrategy", communicator: Communicator, options: Options) -> None:
+    def __init__(self, strategy: MPIStrategy, communicator: Communicator, options: Options) -> None:
         self._strategy = strategy
         self._comm = communicator
         self._flat = FlatStore(communicator.backend.xp) if options.flat_variables else None
@@ -94,8 +100,13 @@ class StrategyExtended:
                 return self._op(reduce_op)
         if isinstance(reduce_op, VariableAggregation):
             if reduce_op is VariableAggregation.NONE:
-                raise ValueError(on_rank(self._comm.rank, "VariableAggregation.NONE does not say how to combine "
-                                         "the replicas' values; reduce with SUM, MEAN or ONLY_FIRST_REPLICA"))
+                raise ValueError(
+                    on_rank(
+                        self._comm.rank,
+                        "VariableAggregation.NONE does not say how to combine "
+                        "the replicas' values; reduce with SUM, MEAN or ONLY_FIRST_REPLICA",
+                    )
+                )
             return _AGGREGATION_OPS[reduce_op]
         return self._op(reduce_op)
 
@@ -115,8 +126,13 @@ class StrategyExtended:
         try:
             op = self.reduce_op(reduce_op)
             if op is None and axis is not None:
-                raise ValueError(on_rank(self._comm.rank, "ONLY_FIRST_REPLICA takes replica 0's value as it "
-                                         f"is; it has no axis to reduce along (got axis={axis})"))
+                raise ValueError(
+                    on_rank(
+                        self._comm.rank,
+                        "ONLY_FIRST_REPLICA takes replica 0's value as it "
+                        f"is; it has no axis to reduce along (got axis={axis})",
+                    )
+                )
             leaves = flatten(value)
             if op is None:
                 xp = self._comm.backend.xp  # new arrays (also of NumPy scalars), which the broadcast overwrites
@@ -132,15 +148,18 @@ class StrategyExtended:
         if op is None:  # (never with out=: refused above)
             return pack_sequence_as(value, [self._comm.broadcast(a, root=0, name="reduce") for a in arrays])
         if out is not None:  # into the caller's arrays: nothing allocated
-            return pack_sequence_as(value, self._comm.allreduce_many(
-                arrays, op, [f"reduce[{i}]" for i in range(len(arrays))], out=flatten(out)))
+            return pack_sequence_as(
+                value,
+                self._comm.allreduce_many(arrays, op, [f"reduce[{i}]" for i in range(len(arrays))], out=flatten(out)),
+            )
         if axis is None and len(arrays) != 1:  # all leaves together: few MPI calls, one agreement record
-            return pack_sequence_as(value, self._comm.allreduce_many(
-                arrays, op, [f"reduce[{i}]" for i in range(len(arrays))]))
+            return pack_sequence_as(
+                value, self._comm.allreduce_many(arrays, op, [f"reduce[{i}]" for i in range(len(arrays))])
+            )
         if axis is None:
             return pack_sequence_as(value, [self._comm.allreduce(arrays[0], op, name="reduce")])
         results = []
-        for (total, count) in arrays:
+        for total, count in arrays:
             total = self._comm.allreduce(total, ReduceOp.SUM, name="reduce")
             if op is ReduceOp.MEAN:
                 total /= int(self._comm.allreduce(count, ReduceOp.SUM, name="count"))
@@ -158,10 +177,14 @@ class StrategyExtended:
             op = ReduceOp.SUM
             if self._comm.rank != 0:
                 arrays = [array_module(a).zeros_like(a) for a in arrays]
-        return self._comm.iallreduce_many(arrays, op, [f"reduce_async[{i}]" for i in range(len(arrays))],
-                                          then=lambda results: pack_sequence_as(value, results))
+        return self._comm.iallreduce_many(
+            arrays,
+            op,
+            [f"reduce_async[{i}]" for i in range(len(arrays))],
+            then=lambda results: pack_sequence_as(value, results),
+        )
 
-    def aggregate(self, aggregation: "VariableAggregation", value: Any, name: str) -> Any:
+    def aggregate(self, aggregation: VariableAggregation, value: Any, name: str) -> Any:
         """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array)."""
         local = self.local(value)
         op = _AGGREGATION_OPS[aggregation]
@@ -173,8 +196,9 @@ class StrategyExtended:
         """Collective: overwrite ``array`` with replica 0's, in place."""
         self._comm.broadcast(array, root=0, name=name)
 
-    def update_mirrored(self, variables: Sequence["DistributedVariable"], values: Sequence[Any],
-                        fn: UpdateFn, in_place: bool = False) -> None:
+    def update_mirrored(
+        self, variables: Sequence[DistributedVariable], values: Sequence[Any], fn: UpdateFn, in_place: bool = False
+    ) -> None:
         """Collective: ``fn(component, value reduced by the variable's aggregation)`` for each, fused.
 
         Each value is first fitted to its variable's shape and dtype; a value
@@ -192,21 +216,28 @@ class StrategyExtended:
                 value = v.coerce(values[0])
             except (TypeError, ValueError) as exc:
                 error, value = exc, component  # not sent: the agreement fails first
-            self._comm.reduce_apply((value,), (component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,),
-                                    in_place, error)
+            self._comm.reduce_apply(
+                (value,), (component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,), in_place, error
+            )
         else:
             try:
                 values = tuple(v.coerce(x) for v, x in zip(variables, values))
             except (TypeError, ValueError) as exc:
                 error = exc
                 values = tuple(v.component for v in variables)
-            self._comm.reduce_apply(values, [v.component for v in variables],
-                                    [_AGGREGATION_OPS[v.aggregation] for v in variables], fn,
-                                    [v.name for v in variables], in_place, error)
+            self._comm.reduce_apply(
+                values,
+                [v.component for v in variables],
+                [_AGGREGATION_OPS[v.aggregation] for v in variables],
+                fn,
+                [v.name for v in variables],
+                in_place,
+                error,
+            )
         if self._check_every:
             self._check_mirrored_when_due(variables)
 
-    def _check_mirrored_when_due(self, variables: Sequence["DistributedVariable"]) -> None:
+    def _check_mirrored_when_due(self, variables: Sequence[DistributedVariable]) -> None:
         """Collective: ``check_mirrored`` of the variables whose update count reached a multiple of the period."""
         due = [v for v in variables if v.count_update() % self._check_every == 0]
         if due:
@@ -220,8 +251,9 @@ class StrategyExtended:
         wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
         with enter_context(self._strategy):
             result = merge_fn(self._strategy, *wrapped[0], **wrapped[1])
-        keep_variables = lambda x: x if isinstance(x, DistributedVariable) else (
-            x.get(rank) if isinstance(x, DistributedValues) else x)
+        keep_variables = lambda x: (
+            x if isinstance(x, DistributedVariable) else (x.get(rank) if isinstance(x, DistributedValues) else x)
+        )
         return map_structure(keep_variables, result)
 
     def replica_context(self) -> ReplicaContext:

@@ -14,6 +14,7 @@ read exactly once (``ArrayDataset(..., remainder="partial")`` or
 Cost: one small host computation per update (device arrays are copied to
 the host), one allreduce of ``rows x 73`` int64 per :meth:`result`.
 """
+
 from __future__ import annotations
 
 import fractions
@@ -24,9 +25,9 @@ import numpy as np
 
 from mpidist._comm.backend import to_host
 from mpidist._distribute.context import get_replica_context, require_strategy
-from mpidist._values.values import DistributedValues
 from mpidist._distribute.variables import Variable, VariableAggregation, VariableSynchronization
 from mpidist._errors import on_rank
+from mpidist._values.values import DistributedValues
 
 __all__ = ["Accuracy", "Mean", "Sum", "exact_decode", "exact_encode", "exact_sum"]
 
@@ -53,7 +54,7 @@ def exact_sum(values: Any) -> np.ndarray:
         row[_NEGINF] = (x == -np.inf).sum()
         x = x[finite]
     fraction, exponent = np.frexp(x)  # x = fraction * 2**exponent, 0.5 <= |fraction| < 1
-    mantissa = (fraction * 2.0 ** 53).astype(np.int64)  # exact: |mantissa| < 2**53
+    mantissa = (fraction * 2.0**53).astype(np.int64)  # exact: |mantissa| < 2**53
     position = exponent.astype(np.int64) - 53 + _LOW  # bit position of the mantissa's lowest bit
     magnitude = np.abs(mantissa)
     below = position < 0  # subnormals: the bits shifted out are zeros
@@ -114,9 +115,12 @@ class _ExactMetric:
     def __init__(self, name: Optional[str] = None) -> None:
         self._strategy = require_strategy(f"{type(self).__name__}(...)")
         self.name = name or type(self).__name__.lower()
-        self._state = Variable(np.zeros((self._rows, WIDTH), dtype=np.int64), name=self.name,
-                               synchronization=VariableSynchronization.ON_READ,
-                               aggregation=VariableAggregation.SUM)
+        self._state = Variable(
+            np.zeros((self._rows, WIDTH), dtype=np.int64),
+            name=self.name,
+            synchronization=VariableSynchronization.ON_READ,
+            aggregation=VariableAggregation.SUM,
+        )
 
     @property
     def variables(self) -> tuple:
@@ -129,15 +133,18 @@ class _ExactMetric:
             self._strategy.run(self._add, args=(rows,))
             return
         current = to_host(self._state.read_value())
-        updated = [exact_encode(*(a + b for a, b in zip(exact_decode(current[i]), exact_decode(rows[i]))))
-                   for i in range(self._rows)]
+        updated = [
+            exact_encode(*(a + b for a, b in zip(exact_decode(current[i]), exact_decode(rows[i]))))
+            for i in range(self._rows)
+        ]
         self._state.assign(np.stack(updated))
 
     def _read(self) -> np.ndarray:
         """Collective: the state summed over all replicas (host int64)."""
         if get_replica_context() is not None:
-            raise RuntimeError(f"{type(self).__name__}.result() is collective: call it outside strategy.run, "
-                               "on every rank")
+            raise RuntimeError(
+                f"{type(self).__name__}.result() is collective: call it outside strategy.run, on every rank"
+            )
         return to_host(self._strategy.read_var(self._state))
 
     def reset_state(self) -> None:
@@ -209,9 +216,14 @@ class Accuracy(Mean):
         if pred.ndim == true.ndim + 1:
             pred = pred.argmax(axis=-1)
         if pred.shape != true.shape:
-            raise ValueError(on_rank(self._strategy.rank, f"{type(self).__name__}.update_state: y_pred of shape "
-                                     f"{pred.shape} does not match y_true of shape {true.shape} (pass class scores "
-                                     "with one extra last axis, or predictions of y_true's shape)"))
+            raise ValueError(
+                on_rank(
+                    self._strategy.rank,
+                    f"{type(self).__name__}.update_state: y_pred of shape "
+                    f"{pred.shape} does not match y_true of shape {true.shape} (pass class scores "
+                    "with one extra last axis, or predictions of y_true's shape)",
+                )
+            )
         super().update_state((pred == true).astype(np.float64), sample_weight)
 
 
@@ -224,6 +236,8 @@ def _weighted(values: Any, sample_weight: Any) -> tuple[np.ndarray, Optional[np.
     try:
         w = np.broadcast_to(w.reshape(w.shape + (1,) * (x.ndim - w.ndim)) if w.ndim < x.ndim else w, x.shape)
     except ValueError:
-        raise ValueError(f"sample_weight of shape {w.shape} does not broadcast to the values' shape {x.shape}") from None
+        raise ValueError(
+            f"sample_weight of shape {w.shape} does not broadcast to the values' shape {x.shape}"
+        ) from None
     keep = w.ravel() != 0
     return x.ravel()[keep], w.ravel()[keep]

@@ -27,6 +27,7 @@ How the request travels:
 Signal handlers only set a flag (Python runs them between bytecodes of the
 main thread), so they are safe at any moment, also inside a collective.
 """
+
 from __future__ import annotations
 
 import signal as _signal
@@ -139,4 +140,3 @@ def signal_numbers(signals: tuple[Any, ...]) -> tuple[int, ...]:
         else:
             raise TypeError(f"expected a signal (signal.SIGUSR1, 10 or 'SIGUSR1'), got {type(sig).__name__} {sig!r}")
     return tuple(out)
-

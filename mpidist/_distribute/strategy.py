@@ -4,11 +4,13 @@ Ties the layers together: a :class:`~mpidist._comm.communicator.Communicator` fo
 collectives, a :class:`~mpidist._comm.backend.Backend` for the arrays, the context
 stack for replica / cross-replica code, and the variables' policies.
 """
+
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -18,17 +20,18 @@ from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
 from mpidist._distribute.context import enter_context, get_replica_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
-from mpidist._values.nest import flatten, is_number, map_structure
-from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
-from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
 from mpidist._distribute.mirrors import diverged, fingerprint
+from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, require_aggregation
 from mpidist._errors import MirrorDivergenceError, format_ranks, on_rank
 from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
 from mpidist._input.multistep import run_steps_on_dataset
 from mpidist._options import Options
+from mpidist._values.nest import flatten, is_number, map_structure
+from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
 
 __all__ = ["MPIStrategy"]
+
 
 def _is_numeric_leaf(x: Any) -> bool:
     """Arrays and numbers: what ``run`` wraps as ``PerReplica``."""
@@ -104,7 +107,7 @@ class MPIStrategy:
 
     # -- contexts ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def scope(self) -> Iterator["MPIStrategy"]:
+    def scope(self) -> Iterator[MPIStrategy]:
         """Context manager: cross-replica context of this strategy (variables are created here). Local."""
         with enter_context(self):
             yield self
@@ -121,7 +124,9 @@ class MPIStrategy:
         """
         if get_replica_context() is not None:
             raise RuntimeError("strategy.run was called inside strategy.run; call fn directly instead")
-        unwrap = lambda x: x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
+        unwrap = lambda x: (
+            x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
+        )
         args = map_structure(unwrap, tuple(args)) if args else ()
         kwargs = map_structure(unwrap, dict(kwargs)) if kwargs else {}
         with enter_context(self, self._extended.replica_context()):
@@ -245,8 +250,15 @@ class MPIStrategy:
 
         See :func:`mpidist._input.multistep.run_steps_on_dataset`.
         """
-        return run_steps_on_dataset(fn, iterator, iterations, rank=self.rank, run=self.run, reduce=self.reduce,
-                                    check_reduce_op=self._extended.reduce_op)
+        return run_steps_on_dataset(
+            fn,
+            iterator,
+            iterations,
+            rank=self.rank,
+            run=self.run,
+            reduce=self.reduce,
+            check_reduce_op=self._extended.reduce_op,
+        )
 
     def experimental_local_results(self, value: Any) -> tuple:
         """This rank's components of ``value`` as a tuple (a plain value gives ``(value,)``). Local."""
@@ -264,9 +276,13 @@ class MPIStrategy:
         args, kwargs = select_replica_mirrored(self.rank, (args, kwargs))
         return fn(var.component, *args, **kwargs)
 
-    def batch_update(self, pairs: Iterable[tuple[MirroredVariable, Any]],
-                     fn: Union[str, Callable[[Any, Any], Any]] = "assign_add", *,
-                     in_place: bool = False) -> list[MirroredVariable]:
+    def batch_update(
+        self,
+        pairs: Iterable[tuple[MirroredVariable, Any]],
+        fn: Union[str, Callable[[Any, Any], Any]] = "assign_add",
+        *,
+        in_place: bool = False,
+    ) -> list[MirroredVariable]:
         """Update many mirrored variables at once: ``fn(component, value)`` for each ``(variable, value)``.
 
         ``fn`` is ``"assign"``, ``"assign_add"``, ``"assign_sub"`` or a
@@ -299,7 +315,9 @@ class MPIStrategy:
             if not isinstance(v, MirroredVariable):
                 raise TypeError(f"strategy.batch_update expects mirrored variables, got {type(v).__name__} {v!r}")
             if v.strategy is not self:
-                raise ValueError(f"strategy.batch_update: variable {v.name!r} belongs to another strategy, {v.strategy!r}")
+                raise ValueError(
+                    f"strategy.batch_update: variable {v.name!r} belongs to another strategy, {v.strategy!r}"
+                )
         update = UPDATES[fn] if isinstance(fn, str) else fn
         values = [x for _, x in pairs]
         if get_replica_context() is None:
@@ -329,12 +347,15 @@ class MPIStrategy:
 
     def _check_variable(self, var: Any, what: str) -> None:
         if not isinstance(var, DistributedVariable):
-            raise TypeError(f"strategy.{what} expects a variable created with mpidist.Variable, got {type(var).__name__}")
+            raise TypeError(
+                f"strategy.{what} expects a variable created with mpidist.Variable, got {type(var).__name__}"
+            )
         if var.strategy is not self:
             raise ValueError(f"strategy.{what}: variable {var.name!r} belongs to another strategy, {var.strategy!r}")
         if get_replica_context() is not None:
-            raise RuntimeError(f"strategy.{what} is a cross-replica call; inside strategy.run use "
-                               "get_replica_context().merge_call")
+            raise RuntimeError(
+                f"strategy.{what} is a cross-replica call; inside strategy.run use get_replica_context().merge_call"
+            )
 
     def check_mirrored(self, variables: Any, *, repair: bool = False) -> dict[str, tuple[int, ...]]:
         """Collective: verify that mirrored variables are identical on every rank.
@@ -359,19 +380,24 @@ class MPIStrategy:
         differ = diverged([v.name for v in flat], self._communicator.allgather(sums, name="mirror checksums"))
         if not differ:
             return {}
-        report = "; ".join(f"{name!r} differs on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}"
-                           for name, rs in differ.items())
+        report = "; ".join(
+            f"{name!r} differs on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}" for name, rs in differ.items()
+        )
         if not repair:
-            raise MirrorDivergenceError(on_rank(
-                self.rank,
-                f"mirrored variables diverged from rank 0: {report}. Replicas must apply "
-                "the same updates (update mirrored variables only through assign*/strategy.update with the "
-                "same values on every rank); check_mirrored(..., repair=True) re-broadcasts rank 0's values."),
-                differ)
+            raise MirrorDivergenceError(
+                on_rank(
+                    self.rank,
+                    f"mirrored variables diverged from rank 0: {report}. Replicas must apply "
+                    "the same updates (update mirrored variables only through assign*/strategy.update with the "
+                    "same values on every rank); check_mirrored(..., repair=True) re-broadcasts rank 0's values.",
+                ),
+                differ,
+            )
         for v in flat:
             if v.name in differ:
                 self._extended.broadcast_from_first(v.component, name=v.name)
         if self.rank == 0:
-            warnings.warn(on_rank(None, f"repaired mirrored variables from rank 0: {report}"), RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                on_rank(None, f"repaired mirrored variables from rank 0: {report}"), RuntimeWarning, stacklevel=2
+            )
         return differ

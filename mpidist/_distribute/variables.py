@@ -24,6 +24,7 @@ underscore attributes.
 
 Which operations are collective is said in each docstring.
 """
+
 from __future__ import annotations
 
 import enum
@@ -92,11 +93,14 @@ def require_aggregation(var: DistributedVariable, what: str) -> None:
     ``what`` names the update (``"assign_add"``, ``"strategy.batch_update"``).
     """
     if var.aggregation is VariableAggregation.NONE:
-        raise ValueError(on_rank(
-            var.strategy.rank,
-            f"{what} of MirroredVariable {var.name!r} in replica context needs an aggregation to combine the "
-            "replicas' values: create it with Variable(..., aggregation=VariableAggregation.SUM, MEAN or "
-            "ONLY_FIRST_REPLICA), or update it in cross-replica context with strategy.update"))
+        raise ValueError(
+            on_rank(
+                var.strategy.rank,
+                f"{what} of MirroredVariable {var.name!r} in replica context needs an aggregation to combine the "
+                "replicas' values: create it with Variable(..., aggregation=VariableAggregation.SUM, MEAN or "
+                "ONLY_FIRST_REPLICA), or update it in cross-replica context with strategy.update",
+            )
+        )
 
 
 class Policy:
@@ -144,8 +148,10 @@ class OnWritePolicy(Policy):
             if in_cross_replica_context():
                 UPDATES[kind](var.component, var.coerce(value))
                 return var
-            raise RuntimeError(f"{kind} of MirroredVariable {var.name!r} must run inside `with strategy.scope():` "
-                               "(cross-replica) or inside strategy.run (replica context)")
+            raise RuntimeError(
+                f"{kind} of MirroredVariable {var.name!r} must run inside `with strategy.scope():` "
+                "(cross-replica) or inside strategy.run (replica context)"
+            )
         require_aggregation(var, kind)
         # What merge_call would do, without wrapping and unwrapping the arguments: the update is
         # the hot path of training loops.
@@ -184,8 +190,9 @@ class OnReadPolicy(Policy):
             UPDATES[kind](var.component, var.coerce(value))
             return var
         if not in_cross_replica_context():
-            raise RuntimeError(f"{kind} of SyncOnReadVariable {var.name!r} must run inside strategy.run "
-                               "or `with strategy.scope():`")
+            raise RuntimeError(
+                f"{kind} of SyncOnReadVariable {var.name!r} must run inside strategy.run or `with strategy.scope():`"
+            )
         if kind != "assign":
             raise RuntimeError(
                 f"{kind} of SyncOnReadVariable {var.name!r} is only allowed in replica context (inside "
@@ -237,8 +244,9 @@ class DistributedVariable(DistributedValues):
     Not created directly: use :func:`Variable` inside ``strategy.scope()``.
     """
 
-    def __init__(self, strategy: MPIStrategy, component: Any, name: str,
-                 aggregation: VariableAggregation, policy: Policy) -> None:
+    def __init__(
+        self, strategy: MPIStrategy, component: Any, name: str, aggregation: VariableAggregation, policy: Policy
+    ) -> None:
         super().__init__({strategy.rank: component})
         # This rank's component, updated in place. A plain attribute, not a property: every
         # update reads it (see the module docstring for the surface other modules use).
@@ -291,8 +299,10 @@ class DistributedVariable(DistributedValues):
         return self._policy
 
     def __repr__(self) -> str:
-        return (f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} "
-                f"aggregation={self._aggregation.name} rank={self._strategy.rank}: {self.component!r}>")
+        return (
+            f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype} "
+            f"aggregation={self._aggregation.name} rank={self._strategy.rank}: {self.component!r}>"
+        )
 
     __str__ = __repr__
 
@@ -326,8 +336,12 @@ class DistributedVariable(DistributedValues):
         :meta private:
         """
         component = self.component
-        if (type(value) is type(component) and value.dtype == component.dtype and value.shape == component.shape
-                and value.flags.c_contiguous):
+        if (
+            type(value) is type(component)
+            and value.dtype == component.dtype
+            and value.shape == component.shape
+            and value.flags.c_contiguous
+        ):
             return value  # the common case, kept short
         if isinstance(value, DistributedValues):
             value = value.get(self._strategy.rank)
@@ -337,11 +351,21 @@ class DistributedVariable(DistributedValues):
         except ValueError:
             fits = False
         if not fits:
-            raise ValueError(on_rank(self._strategy.rank, f"cannot update variable {self._name!r} of shape "
-                                     f"{self.shape} with a value of shape {tuple(array.shape)}"))
+            raise ValueError(
+                on_rank(
+                    self._strategy.rank,
+                    f"cannot update variable {self._name!r} of shape "
+                    f"{self.shape} with a value of shape {tuple(array.shape)}",
+                )
+            )
         if _is_integer(self.dtype) and not _is_integer(array.dtype):
-            raise TypeError(on_rank(self._strategy.rank, f"variable {self._name!r} has integer dtype {self.dtype}; "
-                                    f"updating it with {array.dtype} values would truncate them: cast explicitly"))
+            raise TypeError(
+                on_rank(
+                    self._strategy.rank,
+                    f"variable {self._name!r} has integer dtype {self.dtype}; "
+                    f"updating it with {array.dtype} values would truncate them: cast explicitly",
+                )
+            )
         array = array.astype(self.dtype, copy=False)
         if tuple(array.shape) != self.shape:
             array = self._strategy.backend.xp.broadcast_to(array, self.shape)
@@ -399,12 +423,15 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
 
     def _convertible(self) -> Any:
         if in_cross_replica_context():
-            raise TypeError(on_rank(
-                self._strategy.rank,
-                f"cannot convert SyncOnReadVariable {self._name!r} to an array in "
-                "cross-replica context: its value there is the reduction of all replicas' components, which "
-                "needs every rank. Call v.read_value() or strategy.read_var(v) (collective) on every rank, or "
-                "convert inside strategy.run for this replica's component"))
+            raise TypeError(
+                on_rank(
+                    self._strategy.rank,
+                    f"cannot convert SyncOnReadVariable {self._name!r} to an array in "
+                    "cross-replica context: its value there is the reduction of all replicas' components, which "
+                    "needs every rank. Call v.read_value() or strategy.read_var(v) (collective) on every rank, or "
+                    "convert inside strategy.run for this replica's component",
+                )
+            )
         return self.component
 
     def warn_if_not_restorable(self) -> None:
@@ -416,16 +443,25 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
         """
         if self._aggregation is VariableAggregation.NONE and not self._warned_not_restorable:
             self._warned_not_restorable = True
-            warnings.warn(on_rank(
-                self._strategy.rank,
-                f"SyncOnReadVariable {self._name!r} has aggregation NONE: it is saved "
-                "as the SUM of its components but restored by assigning that sum to every component, so it does "
-                "not round-trip; give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"), UserWarning, stacklevel=4)
+            warnings.warn(
+                on_rank(
+                    self._strategy.rank,
+                    f"SyncOnReadVariable {self._name!r} has aggregation NONE: it is saved "
+                    "as the SUM of its components but restored by assigning that sum to every component, so it does "
+                    "not round-trip; give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA",
+                ),
+                UserWarning,
+                stacklevel=4,
+            )
 
 
-def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
-             synchronization: VariableSynchronization = VariableSynchronization.AUTO,
-             aggregation: VariableAggregation = VariableAggregation.NONE) -> DistributedVariable:
+def Variable(
+    initial_value: Any,
+    name: Optional[str] = None,
+    dtype: Any = None,
+    synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+    aggregation: VariableAggregation = VariableAggregation.NONE,
+) -> DistributedVariable:
     """Create a distributed variable of the strategy whose ``scope()`` is active.
 
     Collective: every rank creates its variables in the same order. The
@@ -452,8 +488,13 @@ def Variable(initial_value: Any, name: Optional[str] = None, dtype: Any = None,
     if name is None:
         name = strategy.extended.default_name()
     if aggregation is VariableAggregation.MEAN and _is_integer(component.dtype):
-        raise ValueError(on_rank(strategy.rank, f"variable {name!r} has integer dtype {component.dtype}: MEAN "
-                                 "aggregation would truncate; use a floating dtype or SUM aggregation"))
+        raise ValueError(
+            on_rank(
+                strategy.rank,
+                f"variable {name!r} has integer dtype {component.dtype}: MEAN "
+                "aggregation would truncate; use a floating dtype or SUM aggregation",
+            )
+        )
     strategy.extended.broadcast_from_first(component, name=name)
     if synchronization is VariableSynchronization.ON_READ:
         return SyncOnReadVariable(strategy, component, name, aggregation, _POLICIES[synchronization])

@@ -10,10 +10,12 @@ Exit statuses: 0 success, 1 the command found a problem (e.g. a checksum
 failed), 2 usage errors; a command's help lists any others (``checkpoint
 inspect``: 3 for a malformed or unreadable save).
 """
+
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 __all__ = ["build_parser", "command", "main"]
 
@@ -59,9 +61,13 @@ def _add_module_command(subparsers: Any, name: str, module: Any, help: str) -> N
 def _add_doctor(subparsers: Any) -> None:
     from mpidist._tools import doctor as _doctor
 
-    _add_module_command(subparsers, "doctor", _doctor,
-                        "report how an MPI job is set up (launcher, ranks per node, GPUs, CUDA-aware MPI) and "
-                        "what to fix; run it under your launcher")
+    _add_module_command(
+        subparsers,
+        "doctor",
+        _doctor,
+        "report how an MPI job is set up (launcher, ranks per node, GPUs, CUDA-aware MPI) and "
+        "what to fix; run it under your launcher",
+    )
 
 
 # -- bench -----------------------------------------------------------------------------------
@@ -69,8 +75,12 @@ def _add_doctor(subparsers: Any) -> None:
 def _add_bench(subparsers: Any) -> None:
     from mpidist._tools import bench as _bench
 
-    _add_module_command(subparsers, "bench", _bench,
-                        "measure mpidist's collectives against raw mpi4py (and torch gloo); run it under mpiexec")
+    _add_module_command(
+        subparsers,
+        "bench",
+        _bench,
+        "measure mpidist's collectives against raw mpi4py (and torch gloo); run it under mpiexec",
+    )
 
 
 # -- checkpoint ------------------------------------------------------------------------------
@@ -79,7 +89,9 @@ def _add_checkpoint(subparsers: Any) -> None:
     from mpidist._checkpoint import inspect as _inspect
 
     parser = subparsers.add_parser(
-        "checkpoint", help="inspect checkpoints written by mpidist.Checkpoint",
+        "checkpoint",
+        help="inspect checkpoints written by mpidist.Checkpoint",
         description="Tools for checkpoint directories written by mpidist.Checkpoint.save. They read files only: "
-                    "no MPI job is needed, and nothing in a checkpoint is ever unpickled or executed.")
+        "no MPI job is needed, and nothing in a checkpoint is ever unpickled or executed.",
+    )
     _inspect.add_parser(parser.add_subparsers(dest="action", metavar="ACTION", required=True))

@@ -14,6 +14,7 @@ unconnected one-rank jobs (a wrong ``srun --mpi``) fails the job at once.
 
 Collective over ``MPI.COMM_WORLD``; every exchange runs under a timeout (``--timeout``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,12 @@ from mpidist._errors import format_ranks
 
 __all__ = ["DESCRIPTION", "add_arguments", "collect", "detect_launcher", "diagnose", "format_report", "run"]
 
-DESCRIPTION = ("Report how this MPI job is set up and what to fix. Run it under your launcher, e.g. "
-               "`mpiexec -n 4 python -m mpidist doctor` or `srun --mpi=pmix python -m mpidist doctor`; "
-               "rank 0 prints the report. Exit status: 0 (warnings included), 1 when --expect-ranks does "
-               "not match the MPI world size.")
+DESCRIPTION = (
+    "Report how this MPI job is set up and what to fix. Run it under your launcher, e.g. "
+    "`mpiexec -n 4 python -m mpidist doctor` or `srun --mpi=pmix python -m mpidist doctor`; "
+    "rank 0 prints the report. Exit status: 0 (warnings included), 1 when --expect-ranks does "
+    "not match the MPI world size."
+)
 
 # Ancestor process names that identify a launcher (/proc/PID/comm, at most 15 characters).
 _LAUNCHER_PROCESSES = {
@@ -50,18 +53,28 @@ _LAUNCHER_PROCESSES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the doctor's options to ``parser``."""
     parser.add_argument(
-        "--expect-ranks", type=int, metavar="N",
+        "--expect-ranks",
+        type=int,
+        metavar="N",
         help="fail (exit 1, on every rank) unless the MPI world has exactly N ranks; job scripts pass "
-             "$SLURM_NTASKS, so that a launcher that starts N unconnected one-rank jobs is caught")
+        "$SLURM_NTASKS, so that a launcher that starts N unconnected one-rank jobs is caught",
+    )
     parser.add_argument(
-        "--device", choices=("auto", "cpu", "gpu"), default=None,
-        help="which device the ranks bind, as MPIStrategy(device=...) would (default: MPIDIST_DEVICE, else auto)")
+        "--device",
+        choices=("auto", "cpu", "gpu"),
+        default=None,
+        help="which device the ranks bind, as MPIStrategy(device=...) would (default: MPIDIST_DEVICE, else auto)",
+    )
     parser.add_argument(
-        "--timeout", type=float, default=60.0, metavar="SECONDS",
-        help="give up when some rank does not join an exchange within this many seconds (default 60)")
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="give up when some rank does not join an exchange within this many seconds (default 60)",
+    )
     parser.add_argument(
-        "--json", action="store_true",
-        help="print the report as one JSON object (rank 0) instead of a table")
+        "--json", action="store_true", help="print the report as one JSON object (rank 0) instead of a table"
+    )
 
 
 # -- what one rank sees ------------------------------------------------------------------------
@@ -72,8 +85,8 @@ def _process_name(pid: int) -> tuple[str, int]:
             stat = f.read().decode(errors="replace")
     except OSError:
         return "", 0
-    name = stat[stat.find("(") + 1:stat.rfind(")")]
-    fields = stat[stat.rfind(")") + 2:].split()
+    name = stat[stat.find("(") + 1 : stat.rfind(")")]
+    fields = stat[stat.rfind(")") + 2 :].split()
     return name, int(fields[1]) if len(fields) > 1 else 0
 
 
@@ -104,22 +117,27 @@ def detect_launcher(env: Optional[dict] = None) -> str:
 
 
 def _mpi_library() -> dict[str, Any]:
-    from mpi4py import MPI
     import mpi4py
+    from mpi4py import MPI
 
     from mpidist._comm.cuda_aware import library_cuda_support
     from mpidist._comm.library import libmpi_paths, library_version
 
     paths = libmpi_paths()
-    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    levels = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
     return {
         "library": library_version(),
         "standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": mpi4py.__version__,
         "libmpi": paths,
-        "libmpi_in_environment": any(p.startswith(os.path.realpath(sys.prefix) + os.sep) or p.startswith(sys.prefix + os.sep)
-                                     for p in paths),
+        "libmpi_in_environment": any(
+            p.startswith(os.path.realpath(sys.prefix) + os.sep) or p.startswith(sys.prefix + os.sep) for p in paths
+        ),
         "mpi4py_libmpi": os.environ.get("MPI4PY_LIBMPI"),
         "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "cuda_claim": library_cuda_support(),
@@ -152,8 +170,19 @@ def _threads(env: dict) -> Optional[int]:
 
 def _describe_rank(comm: Any, launcher: str) -> dict[str, Any]:
     env = os.environ
-    slurm = {k: env[k] for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID",
-                                 "SLURM_LOCALID", "SLURM_CPUS_PER_TASK", "SLURM_GPUS_PER_TASK") if k in env}
+    slurm = {
+        k: env[k]
+        for k in (
+            "SLURM_JOB_ID",
+            "SLURM_NTASKS",
+            "SLURM_STEP_NUM_TASKS",
+            "SLURM_PROCID",
+            "SLURM_LOCALID",
+            "SLURM_CPUS_PER_TASK",
+            "SLURM_GPUS_PER_TASK",
+        )
+        if k in env
+    }
     return {
         "rank": comm.rank,
         "host": socket.gethostname().split(".")[0],
@@ -222,20 +251,29 @@ def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list
     job_tasks = int(r0["slurm"].get("SLURM_NTASKS", "0") or 0)
     launcher = report["launcher"]
     if expect_ranks is not None and size != expect_ranks:
-        problems.append((
-            f"the MPI world has {size} rank{'s' if size != 1 else ''}, but {expect_ranks} were expected",
-            "start the ranks with a launcher that connects them: srun --mpi=pmix (Open MPI) or --mpi=pmi2 "
-            "(MPICH), or the MPI library's own mpiexec -n N"))
+        problems.append(
+            (
+                f"the MPI world has {size} rank{'s' if size != 1 else ''}, but {expect_ranks} were expected",
+                "start the ranks with a launcher that connects them: srun --mpi=pmix (Open MPI) or --mpi=pmi2 "
+                "(MPICH), or the MPI library's own mpiexec -n N",
+            )
+        )
     if size == 1 and launcher.startswith("srun") and step_tasks > 1:
-        problems.append((
-            f"srun started {step_tasks} tasks, but each is a one-rank MPI world: they run as {step_tasks} "
-            f"independent jobs (srun's MPI plugin does not match the MPI library; seen: {launcher})",
-            "use srun --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH (`srun --mpi=list` shows the plugins), "
-            "or mpiexec -n $SLURM_NTASKS"))
+        problems.append(
+            (
+                f"srun started {step_tasks} tasks, but each is a one-rank MPI world: they run as {step_tasks} "
+                f"independent jobs (srun's MPI plugin does not match the MPI library; seen: {launcher})",
+                "use srun --mpi=pmix for Open MPI, --mpi=pmi2 for MPICH (`srun --mpi=list` shows the plugins), "
+                "or mpiexec -n $SLURM_NTASKS",
+            )
+        )
     elif size == 1 and launcher.startswith("none") and job_tasks > 1:
-        problems.append((
-            f"this Slurm job has {job_tasks} tasks but the program runs as one rank without a launcher",
-            "start it with srun --mpi=pmix (Open MPI) / --mpi=pmi2 (MPICH) or mpiexec -n $SLURM_NTASKS"))
+        problems.append(
+            (
+                f"this Slurm job has {job_tasks} tasks but the program runs as one rank without a launcher",
+                "start it with srun --mpi=pmix (Open MPI) / --mpi=pmi2 (MPICH) or mpiexec -n $SLURM_NTASKS",
+            )
+        )
     # Cores: per node, the ranks' threads against the cores they may run on.
     by_host: dict[str, list[dict]] = {}
     for r in ranks:
@@ -244,62 +282,86 @@ def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list
         usable = set().union(*(set(r["cores"]) for r in local))
         threads = sum(r["threads"] or 1 for r in local)
         if threads > len(usable):
-            what = (f"{len(local)} rank{'s' if len(local) != 1 else ''}"
-                    + (f" x {local[0]['threads']} threads" if (local[0]["threads"] or 1) > 1 else ""))
-            problems.append((
-                f"node {host} is oversubscribed: {what} on {len(usable)} core{'s' if len(usable) != 1 else ''} "
-                f"({format_ranks(usable)}); the ranks take turns and every collective waits for the slowest",
-                "start at most one rank per core (Slurm: --ntasks-per-node, --cpus-per-task and "
-                "OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK), or fewer threads per rank"))
+            what = f"{len(local)} rank{'s' if len(local) != 1 else ''}" + (
+                f" x {local[0]['threads']} threads" if (local[0]["threads"] or 1) > 1 else ""
+            )
+            problems.append(
+                (
+                    f"node {host} is oversubscribed: {what} on {len(usable)} core{'s' if len(usable) != 1 else ''} "
+                    f"({format_ranks(usable)}); the ranks take turns and every collective waits for the slowest",
+                    "start at most one rank per core (Slurm: --ntasks-per-node, --cpus-per-task and "
+                    "OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK), or fewer threads per rank",
+                )
+            )
         else:
             bound = [r for r in local if len(r["cores"]) < len(usable)]
-            shared = sorted({r["rank"] for a in bound for r in bound if r is not a and set(a["cores"]) & set(r["cores"])})
+            shared = sorted(
+                {r["rank"] for a in bound for r in bound if r is not a and set(a["cores"]) & set(r["cores"])}
+            )
             if shared:
-                problems.append((
-                    f"on node {host}, ranks {format_ranks(shared)} are bound to overlapping cores while others "
-                    "stay idle",
-                    "bind each rank to cores of its own (srun --cpu-bind=cores; Open MPI: --map-by slot:PE=N), "
-                    "or do not bind (mpiexec --bind-to none)"))
+                problems.append(
+                    (
+                        f"on node {host}, ranks {format_ranks(shared)} are bound to overlapping cores while others "
+                        "stay idle",
+                        "bind each rank to cores of its own (srun --cpu-bind=cores; Open MPI: --map-by slot:PE=N), "
+                        "or do not bind (mpiexec --bind-to none)",
+                    )
+                )
         gpus: dict[str, list[int]] = {}
         for r in local:
             if r["gpu"] is not None:
                 gpus.setdefault(r["gpu"]["pci_bus_id"], []).append(r["rank"])
         for bus, users in sorted(gpus.items()):
             if len(users) > 1:
-                problems.append((
-                    f"on node {host}, ranks {format_ranks(users)} share the GPU at {bus}",
-                    "start one rank per GPU: --ntasks-per-node equal to the GPUs per node and --gpus-per-task=1 "
-                    "(or fewer ranks); mpidist binds GPU (node-local rank % visible GPUs)"))
+                problems.append(
+                    (
+                        f"on node {host}, ranks {format_ranks(users)} share the GPU at {bus}",
+                        "start one rank per GPU: --ntasks-per-node equal to the GPUs per node and --gpus-per-task=1 "
+                        "(or fewer ranks); mpidist binds GPU (node-local rank % visible GPUs)",
+                    )
+                )
         cpu_on_gpu_node = [r["rank"] for r in local if r["gpu"] is None and r["nvidia_devices"]]
         if cpu_on_gpu_node and report.get("requested_device", "auto") != "cpu":
-            problems.append((
-                f"node {host} has NVIDIA devices, but ranks {format_ranks(cpu_on_gpu_node)} compute with NumPy "
-                "on the CPU",
-                "install CuPy for your CUDA version (pip install 'mpidist[cuda12]' or 'mpidist[cuda13]') and check CUDA_VISIBLE_DEVICES; "
-                "MPIDIST_DEVICE=cpu makes the CPU choice explicit"))
+            problems.append(
+                (
+                    f"node {host} has NVIDIA devices, but ranks {format_ranks(cpu_on_gpu_node)} compute with NumPy "
+                    "on the CPU",
+                    "install CuPy for your CUDA version (pip install 'mpidist[cuda12]' or 'mpidist[cuda13]') and check CUDA_VISIBLE_DEVICES; "
+                    "MPIDIST_DEVICE=cpu makes the CPU choice explicit",
+                )
+            )
     return problems
 
 
 # -- the report ---------------------------------------------------------------------------------
 def _cuda_text(report: dict[str, Any]) -> str:
     claim = report["mpi"]["cuda_claim"]
-    claim_text = {True: "the library reports CUDA support", False: "the library reports no CUDA support",
-                  None: "the library has no CUDA query"}[claim]
+    claim_text = {
+        True: "the library reports CUDA support",
+        False: "the library reports no CUDA support",
+        None: "the library has no CUDA query",
+    }[claim]
     if report["cuda_aware"] is None:
         return f"not used: no GPU in use ({claim_text})"
     if report.get("cuda_aware_reason"):
         return f"{'yes' if report['cuda_aware'] else 'no'}: {report['cuda_aware_reason']} ({claim_text})"
     setting = report["cuda_aware_setting"]
     if setting in ("0", "1"):
-        return (f"{'yes' if report['cuda_aware'] else 'no'}: forced by MPIDIST_CUDA_AWARE={setting}, self-test "
-                f"skipped ({claim_text})")
+        return (
+            f"{'yes' if report['cuda_aware'] else 'no'}: forced by MPIDIST_CUDA_AWARE={setting}, self-test "
+            f"skipped ({claim_text})"
+        )
     if report["cuda_aware"]:
         return f"yes: {claim_text}; device-buffer self-test passed"
     if claim:
-        return (f"no: {claim_text}, but the device-buffer self-test failed; device buffers are staged "
-                "through pinned host memory")
-    return (f"no: {claim_text}; self-test skipped (a library without CUDA support may crash on device "
-            "buffers); device buffers are staged through pinned host memory")
+        return (
+            f"no: {claim_text}, but the device-buffer self-test failed; device buffers are staged "
+            "through pinned host memory"
+        )
+    return (
+        f"no: {claim_text}; self-test skipped (a library without CUDA support may crash on device "
+        "buffers); device buffers are staged through pinned host memory"
+    )
 
 
 def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> str:
@@ -329,13 +391,19 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
         libmpi += f" (MPI4PY_LIBMPI={mpi['mpi4py_libmpi']})"
     rows = [
         ("mpidist", f"{versions['mpidist']} (Python {versions['python']}, NumPy {versions['numpy']}, {cupy_text})"),
-        ("MPI library", f"{mpi['library']} (MPI {mpi['standard']}), mpi4py {mpi['mpi4py']}, "
-                        f"thread level {mpi['thread_level']}"),
+        (
+            "MPI library",
+            f"{mpi['library']} (MPI {mpi['standard']}), mpi4py {mpi['mpi4py']}, thread level {mpi['thread_level']}",
+        ),
         ("libmpi", libmpi),
         ("launcher", report["launcher"]),
         ("Slurm", slurm_text),
-        ("ranks", f"{size} on {nodes} node{'s' if nodes != 1 else ''}, {per_node_text} per node ("
-                  + "; ".join(f"{h}: {format_ranks(v)}" for h, v in sorted(hosts.items())) + ")"),
+        (
+            "ranks",
+            f"{size} on {nodes} node{'s' if nodes != 1 else ''}, {per_node_text} per node ("
+            + "; ".join(f"{h}: {format_ranks(v)}" for h, v in sorted(hosts.items()))
+            + ")",
+        ),
         ("arrays", ", ".join("NumPy on the CPU" if d == "numpy" else "CuPy on a GPU per rank" for d in devices)),
         ("CUDA-aware MPI", _cuda_text(report)),
         ("NCCL", report["nccl"]),
@@ -347,9 +415,17 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
     for r in ranks:
         gpu = r["gpu"]
         gpu_text = f"{gpu['device']}: {gpu['name']} ({gpu['pci_bus_id']})" if gpu else "-"
-        table.append((str(r["rank"]), r["host"], f"{r['local_rank']}/{r['local_size']}", format_ranks(r["cores"]),
-                      str(r["threads"]) if r["threads"] else "-", gpu_text,
-                      r["cuda_visible_devices"] if r["cuda_visible_devices"] is not None else "-"))
+        table.append(
+            (
+                str(r["rank"]),
+                r["host"],
+                f"{r['local_rank']}/{r['local_size']}",
+                format_ranks(r["cores"]),
+                str(r["threads"]) if r["threads"] else "-",
+                gpu_text,
+                r["cuda_visible_devices"] if r["cuda_visible_devices"] is not None else "-",
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines.append("")
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
@@ -386,8 +462,11 @@ def run(args: argparse.Namespace) -> int:
             # Keep it short: with a wrong srun plugin every one of the N one-rank worlds prints this.
             slurm = report["ranks"][0]["slurm"]
             where = f" (Slurm task {slurm['SLURM_PROCID']})" if "SLURM_PROCID" in slurm else ""
-            print(f"mpidist doctor: ERROR{where}: {problems[0][0]} (launcher seen: {report['launcher']}).\n"
-                  f"  fix: {problems[0][1]}", file=sys.stderr)
+            print(
+                f"mpidist doctor: ERROR{where}: {problems[0][0]} (launcher seen: {report['launcher']}).\n"
+                f"  fix: {problems[0][1]}",
+                file=sys.stderr,
+            )
         else:
             print(format_report(report, problems))
         sys.stdout.flush()

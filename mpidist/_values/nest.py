@@ -12,11 +12,13 @@ when the keys are sortable, else in insertion order, so ``flatten`` and
 
 All functions here are local: they touch no communicator and no other rank.
 """
+
 from __future__ import annotations
 
 import numbers
 from collections import defaultdict
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -61,7 +63,7 @@ def _kind(x: Any) -> Any:
     return None  # a leaf
 
 
-def _dict_keys(d: dict) -> List[Any]:
+def _dict_keys(d: dict) -> list[Any]:
     """Keys in traversal order: sorted when sortable, else insertion order."""
     try:
         return sorted(d)
@@ -69,7 +71,7 @@ def _dict_keys(d: dict) -> List[Any]:
         return list(d)
 
 
-def _children(x: Any) -> List[Tuple[str, Any]]:
+def _children(x: Any) -> list[tuple[str, Any]]:
     """``(path piece, child)`` pairs of a nest node, in traversal order."""
     if isinstance(x, dict):
         return [(f"[{k!r}]", x[k]) for k in _dict_keys(x)]
@@ -171,7 +173,7 @@ def _iter_leaves(nest: Any) -> Iterator[Any]:
         yield nest
 
 
-def flatten(nest: Any) -> List[Any]:
+def flatten(nest: Any) -> list[Any]:
     """The leaves of ``nest`` in traversal order (a leaf gives ``[leaf]``). Local."""
     return list(_iter_leaves(nest))
 
@@ -187,8 +189,7 @@ def pack_sequence_as(structure: Any, flat: Sequence[Any]) -> Any:
     n_leaves = sum(1 for _ in _iter_leaves(structure))
     if n_leaves != len(flat):
         raise ValueError(
-            f"pack_sequence_as: the structure has {n_leaves} leaves but the flat "
-            f"sequence has {len(flat)} items"
+            f"pack_sequence_as: the structure has {n_leaves} leaves but the flat sequence has {len(flat)} items"
         )
     it = iter(flat)
 
@@ -215,7 +216,7 @@ def map_structure_with_path(fn: Callable[..., Any], *nests: Any) -> Any:
     for other in nests[1:]:
         assert_same_structure(first, other)
 
-    def walk(path: str, nodes: Tuple[Any, ...]) -> Any:
+    def walk(path: str, nodes: tuple[Any, ...]) -> Any:
         head = nodes[0]
         if not _is_nest_node(head):
             return fn(path, *nodes)
@@ -246,7 +247,7 @@ def map_structure(fn: Callable[..., Any], *nests: Any) -> Any:
     for other in nests[1:]:
         assert_same_structure(first, other)
 
-    def walk(nodes: Tuple[Any, ...]) -> Any:
+    def walk(nodes: tuple[Any, ...]) -> Any:
         head = nodes[0]
         if type(head) in (list, tuple) or (isinstance(head, (list, tuple)) and not _is_namedtuple(head)):
             return _rebuild(head, [walk(tuple(n[i] for n in nodes)) for i in range(len(head))])

@@ -23,12 +23,14 @@ holds only weak references to the variables.
 Everything in this module is local: no function or method here communicates
 with other ranks. This layer does not import MPI.
 """
+
 from __future__ import annotations
 
 import collections.abc
 import operator
 import weakref
-from typing import Any, Callable, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
 
 import numpy
 
@@ -64,13 +66,11 @@ def _as_replica_id(value: Any, what: str = "replica id") -> int:
 def _normalize_index(index: Mapping[int, Any], owner: str) -> dict[int, Any]:
     """A copy of ``index`` with int keys, ordered by replica id; rejects empty/non-int indexes."""
     if type(index) is dict and len(index) == 1:  # under MPI: {rank: value}, on every call of the hot path
-        (key, value), = index.items()
+        ((key, value),) = index.items()
         if type(key) is int and key >= 0:
             return {key: value}
     if not isinstance(index, collections.abc.Mapping):
-        raise TypeError(
-            f"{owner} expects a mapping from replica id to value, got {type(index).__name__}"
-        )
+        raise TypeError(f"{owner} expects a mapping from replica id to value, got {type(index).__name__}")
     if len(index) == 0:
         raise ValueError(f"{owner} needs at least one replica, got an empty index")
     out: dict[int, Any] = {}
@@ -108,12 +108,12 @@ class DistributedValues:
         self._index: dict[int, Any] = _normalize_index(index, type(self).__name__)
 
     @property
-    def values(self) -> Tuple[Any, ...]:
+    def values(self) -> tuple[Any, ...]:
         """The local components, ordered by replica id. Local."""
         return tuple(self._index.values())
 
     @property
-    def replica_ids(self) -> Tuple[int, ...]:
+    def replica_ids(self) -> tuple[int, ...]:
         """The ids of the local replicas, matching :attr:`values`. Local."""
         return tuple(self._index)
 
@@ -143,8 +143,7 @@ class DistributedValues:
             return self._index[rid]
         except KeyError:
             raise ValueError(
-                f"{type(self).__name__}.get(): replica {rid} is not local; "
-                f"local replicas: {list(self._index)}"
+                f"{type(self).__name__}.get(): replica {rid} is not local; local replicas: {list(self._index)}"
             ) from None
 
     def __repr__(self) -> str:
@@ -234,15 +233,44 @@ def _round(x: Any, ndigits: Optional[int] = None) -> Any:
 
 
 # name -> operation on the component; binary ones also get their reflected form (__radd__, ...).
-_BINARY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
-           "floordiv": operator.floordiv, "mod": operator.mod, "divmod": divmod, "matmul": operator.matmul,
-           "and": operator.and_, "or": operator.or_, "xor": operator.xor, "lshift": operator.lshift,
-           "rshift": operator.rshift}
-_OTHER = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
-          "ne": operator.ne, "neg": operator.neg, "pos": operator.pos, "invert": operator.invert, "abs": abs,
-          "getitem": operator.getitem, "len": len, "iter": iter, "contains": operator.contains,
-          "bool": bool, "float": float, "int": int, "index": operator.index, "complex": complex,
-          "round": _round, "pow": _power}
+_BINARY = {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+    "divmod": divmod,
+    "matmul": operator.matmul,
+    "and": operator.and_,
+    "or": operator.or_,
+    "xor": operator.xor,
+    "lshift": operator.lshift,
+    "rshift": operator.rshift,
+}
+_OTHER = {
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "neg": operator.neg,
+    "pos": operator.pos,
+    "invert": operator.invert,
+    "abs": abs,
+    "getitem": operator.getitem,
+    "len": len,
+    "iter": iter,
+    "contains": operator.contains,
+    "bool": bool,
+    "float": float,
+    "int": int,
+    "index": operator.index,
+    "complex": complex,
+    "round": _round,
+    "pow": _power,
+}
 
 
 class _Delegate(DistributedValues):
@@ -276,9 +304,7 @@ class _Delegate(DistributedValues):
                     detail = f" (its local component, of type {type(comp).__name__}, has none)"
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{detail}")
         if "_index" not in self.__dict__:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r} (not initialized)"
-            )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (not initialized)")
         return getattr(self.get(), name)
 
     def __rpow__(self, o: Any, modulo: Any = None) -> Any:
@@ -314,7 +340,7 @@ class Mirrored(_Delegate):
 # --------------------------------------------------------------------------
 
 # id(component) -> (weak reference to its container, replica id)
-_registry: dict[int, Tuple["weakref.ref[DistributedValues]", int]] = {}
+_registry: dict[int, tuple[weakref.ref[DistributedValues], int]] = {}
 
 # Immutable builtins may be shared objects (small ints, interned strings): an
 # id-keyed registry would mistake unrelated values for components.
@@ -335,9 +361,7 @@ def register_component(container: DistributedValues, replica_id: int, component:
             which may be shared with unrelated code.
     """
     if not isinstance(container, DistributedValues):
-        raise TypeError(
-            f"register_component: container must be a DistributedValues, got {type(container).__name__}"
-        )
+        raise TypeError(f"register_component: container must be a DistributedValues, got {type(container).__name__}")
     rid = _as_replica_id(replica_id)
     if isinstance(component, _UNREGISTRABLE):
         raise TypeError(
@@ -351,13 +375,13 @@ def register_component(container: DistributedValues, replica_id: int, component:
     fin.atexit = False
 
 
-def _forget_component(key: int, ref: "weakref.ref[DistributedValues]") -> None:
+def _forget_component(key: int, ref: weakref.ref[DistributedValues]) -> None:
     entry = _registry.get(key)
     if entry is not None and entry[0] is ref:
         _registry.pop(key, None)
 
 
-def _owner_of(obj: Any) -> Optional[Tuple[DistributedValues, int]]:
+def _owner_of(obj: Any) -> Optional[tuple[DistributedValues, int]]:
     """``(container, replica_id)`` if ``obj`` is a registered, current component, else ``None``.
 
     Verifies that the container is alive and still holds this very object at
@@ -382,8 +406,8 @@ def _owner_of(obj: Any) -> Optional[Tuple[DistributedValues, int]]:
 
 
 def _regroup_leaf(
-    ids: Tuple[int, ...],
-    leaves: Tuple[Any, ...],
+    ids: tuple[int, ...],
+    leaves: tuple[Any, ...],
     wrap_class: Callable[[Mapping[int, Any]], Any],
     wrap_identical: Optional[Callable[[Any], bool]],
 ) -> Any:
@@ -445,12 +469,8 @@ def regroup(
         try:
             assert_same_structure(nests[0], nest)
         except ValueError as e:
-            raise ValueError(
-                f"regroup: the nests of replica {ids[0]} and replica {rid} differ: {e}"
-            ) from None
-    return map_structure(
-        lambda *leaves: _regroup_leaf(ids, leaves, wrap_class, wrap_identical), *nests
-    )
+            raise ValueError(f"regroup: the nests of replica {ids[0]} and replica {rid} differ: {e}") from None
+    return map_structure(lambda *leaves: _regroup_leaf(ids, leaves, wrap_class, wrap_identical), *nests)
 
 
 def select_replica(replica_id: Optional[int], nest: Any) -> Any:

@@ -37,6 +37,7 @@ from scikit-learn when that is installed (``pip install 'mpidist[examples]'``), 
 the identical copy that ships with mpidist (``digits.npz`` next to this file), so no
 download is ever needed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -57,8 +59,17 @@ __all__ = ["load_digits", "main", "parse_args", "split"]
 DATA_FILE = Path(__file__).with_name("digits.npz")
 NUM_CLASSES = 10
 # Launchers whose ranks see a terminal even when the job's output goes to a file or pipe.
-_LAUNCHER_PROCESSES = ("prterun", "prted", "orterun", "orted", "mpiexec", "mpirun", "hydra_pmi_proxy",
-                       "mpiexec.hydra", "pmi_proxy")
+_LAUNCHER_PROCESSES = (
+    "prterun",
+    "prted",
+    "orterun",
+    "orted",
+    "mpiexec",
+    "mpirun",
+    "hydra_pmi_proxy",
+    "mpiexec.hydra",
+    "pmi_proxy",
+)
 
 
 # -- data -----------------------------------------------------------------------------------
@@ -123,8 +134,12 @@ def _initial_params(hidden: int, seed: int) -> list[np.ndarray]:
         limit = math.sqrt(6.0 / (n_in + n_out))
         return rng.uniform(-limit, limit, size=(n_in, n_out)).astype(np.float32)
 
-    return [glorot(64, hidden), np.zeros(hidden, np.float32), glorot(hidden, NUM_CLASSES),
-            np.zeros(NUM_CLASSES, np.float32)]
+    return [
+        glorot(64, hidden),
+        np.zeros(hidden, np.float32),
+        glorot(hidden, NUM_CLASSES),
+        np.zeros(NUM_CLASSES, np.float32),
+    ]
 
 
 # -- progress (rank 0) ---------------------------------------------------------------------------
@@ -139,7 +154,7 @@ def _is_terminal(stream: Any) -> bool:
             return False
     except (AttributeError, ValueError):
         return False
-    if os.environ.get("TERM") == "dumb" or "SLURM_JOB_ID" in os.environ and "SLURM_PTY_PORT" not in os.environ:
+    if os.environ.get("TERM") == "dumb" or ("SLURM_JOB_ID" in os.environ and "SLURM_PTY_PORT" not in os.environ):
         return False
     pid = os.getppid()
     for _ in range(4):
@@ -148,7 +163,7 @@ def _is_terminal(stream: Any) -> bool:
                 stat = f.read().decode(errors="replace")
         except OSError:
             break
-        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
         if name not in _LAUNCHER_PROCESSES:
             break
         try:
@@ -157,7 +172,7 @@ def _is_terminal(stream: Any) -> bool:
             break
         if not target.startswith(("/dev/pts/", "/dev/tty")):
             return False
-        pid = int(stat[stat.rfind(")") + 2:].split()[1])
+        pid = int(stat[stat.rfind(")") + 2 :].split()[1])
     return True
 
 
@@ -176,8 +191,10 @@ class Progress:
         width = 30
         done = int(width * step / self.steps)
         rate = step / max(time.perf_counter() - started, 1e-9)
-        sys.stdout.write(f"\repoch {epoch}/{self.epochs} [{'#' * done}{'.' * (width - done)}] "
-                         f"{step}/{self.steps} steps, {rate:.0f} steps/s ")
+        sys.stdout.write(
+            f"\repoch {epoch}/{self.epochs} [{'#' * done}{'.' * (width - done)}] "
+            f"{step}/{self.steps} steps, {rate:.0f} steps/s "
+        )
         sys.stdout.flush()
 
     def line(self, text: str, force: bool = False) -> None:
@@ -215,45 +232,94 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mpidist.examples.train_digits",
         description="Data-parallel training of a 64-H-10 MLP on the handwritten digits data (1797 8x8 images, "
-                    "10 classes), one replica per MPI rank. Start it with a launcher for more ranks: "
-                    "`bash jobs/mpirun.sh -n 2 .venv/bin/python -m mpidist.examples.train_digits`, or with "
-                    "`sbatch jobs/train.sbatch` on Slurm. For the same --global-batch-size the result is the "
-                    "same at any number of ranks that divides it.",
+        "10 classes), one replica per MPI rank. Start it with a launcher for more ranks: "
+        "`bash jobs/mpirun.sh -n 2 .venv/bin/python -m mpidist.examples.train_digits`, or with "
+        "`sbatch jobs/train.sbatch` on Slurm. For the same --global-batch-size the result is the "
+        "same at any number of ranks that divides it.",
         epilog="Exit status: 0 after training (1 with --min-accuracy when the final held-out accuracy is below "
-               "it; 2 for bad options). The data comes from scikit-learn when installed, else from the copy "
-               "shipped with mpidist.")
-    p.add_argument("--epochs", type=int, default=20, metavar="N",
-                   help="train until N epochs are done in total, counting epochs restored by --resume (default 20)")
-    p.add_argument("--global-batch-size", type=int, default=60, metavar="B",
-                   help="samples per step over all ranks; each rank gets B/ranks, so B must be divisible by the "
-                        "number of ranks (default 60: 1 to 6 ranks)")
-    p.add_argument("--learning-rate", type=float, default=0.5, metavar="LR",
-                   help="initial SGD step size, applied to the gradient averaged over the global batch; it decays "
-                        "to 0 along a cosine over the epochs (default 0.5)")
+        "it; 2 for bad options). The data comes from scikit-learn when installed, else from the copy "
+        "shipped with mpidist.",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=20,
+        metavar="N",
+        help="train until N epochs are done in total, counting epochs restored by --resume (default 20)",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=60,
+        metavar="B",
+        help="samples per step over all ranks; each rank gets B/ranks, so B must be divisible by the "
+        "number of ranks (default 60: 1 to 6 ranks)",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=0.5,
+        metavar="LR",
+        help="initial SGD step size, applied to the gradient averaged over the global batch; it decays "
+        "to 0 along a cosine over the epochs (default 0.5)",
+    )
     p.add_argument("--hidden", type=int, default=64, metavar="H", help="hidden units (default 64)")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="seed of the initial weights, the train/held-out split and the per-epoch shuffle "
-                        "(default 0)")
-    p.add_argument("--test-fraction", type=float, default=0.2, metavar="F",
-                   help="fraction of the data held out for evaluation (default 0.2: 359 images)")
-    p.add_argument("--checkpoint-dir", default="checkpoints/digits", metavar="DIR",
-                   help="save a checkpoint here after every epoch, keeping the newest two (default "
-                        "checkpoints/digits; it must be on a file system every rank sees)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the initial weights, the train/held-out split and the per-epoch shuffle (default 0)",
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.2,
+        metavar="F",
+        help="fraction of the data held out for evaluation (default 0.2: 359 images)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default="checkpoints/digits",
+        metavar="DIR",
+        help="save a checkpoint here after every epoch, keeping the newest two (default "
+        "checkpoints/digits; it must be on a file system every rank sees)",
+    )
     p.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --checkpoint-dir, if there is one (it may have "
-                        "been saved by a different number of ranks); without one, start afresh")
-    p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
-                   help="rank 0's progress report: a bar on a terminal and one line per epoch otherwise (auto), "
-                        "always one of them, or only the final result (default auto)")
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default=None,
-                   help="NumPy on the CPU or CuPy on one GPU per rank (default: MPIDIST_DEVICE, else auto: "
-                        "a GPU when CuPy finds one)")
-    p.add_argument("--data", choices=("auto", "sklearn", "shipped"), default="auto",
-                   help="where the digits come from: scikit-learn (the examples extra), the copy shipped with "
-                        "mpidist, or auto: scikit-learn when installed (default auto; both are identical)")
-    p.add_argument("--min-accuracy", type=float, default=None, metavar="PCT",
-                   help="exit with status 1 when the final held-out accuracy (in percent) is below PCT")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir, if there is one (it may have "
+        "been saved by a different number of ranks); without one, start afresh",
+    )
+    p.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "none"),
+        default="auto",
+        help="rank 0's progress report: a bar on a terminal and one line per epoch otherwise (auto), "
+        "always one of them, or only the final result (default auto)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "gpu"),
+        default=None,
+        help="NumPy on the CPU or CuPy on one GPU per rank (default: MPIDIST_DEVICE, else auto: "
+        "a GPU when CuPy finds one)",
+    )
+    p.add_argument(
+        "--data",
+        choices=("auto", "sklearn", "shipped"),
+        default="auto",
+        help="where the digits come from: scikit-learn (the examples extra), the copy shipped with "
+        "mpidist, or auto: scikit-learn when installed (default auto; both are identical)",
+    )
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="exit with status 1 when the final held-out accuracy (in percent) is below PCT",
+    )
     args = p.parse_args(argv)
     for name in ("epochs", "global_batch_size", "hidden"):
         if getattr(args, name) < 1:
@@ -275,8 +341,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n, rank = strategy.num_replicas_in_sync, strategy.rank
     if args.global_batch_size % n:
         if rank == 0:
-            print(f"error: --global-batch-size {args.global_batch_size} is not divisible by the {n} ranks; "
-                  f"pick a multiple of {n} (each rank gets an equal share of every step)", file=sys.stderr)
+            print(
+                f"error: --global-batch-size {args.global_batch_size} is not divisible by the {n} ranks; "
+                f"pick a multiple of {n} (each rank gets an equal share of every step)",
+                file=sys.stderr,
+            )
         return 2
     xp = strategy.backend.xp
     strategy.stop_on_signals(signal.SIGUSR1, signal.SIGTERM)  # a stop at the same step on every rank
@@ -290,20 +359,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps = len(train_data)
 
     with strategy.scope():
-        params = [md.Variable(value, name=name, aggregation=md.VariableAggregation.MEAN)
-                  for name, value in zip(("w1", "b1", "w2", "b2"), _initial_params(args.hidden, args.seed))]
+        params = [
+            md.Variable(value, name=name, aggregation=md.VariableAggregation.MEAN)
+            for name, value in zip(("w1", "b1", "w2", "b2"), _initial_params(args.hidden, args.seed))
+        ]
         train_loss, train_accuracy = md.Mean("train_loss"), md.Accuracy("train_accuracy")
         test_accuracy = md.Accuracy("test_accuracy")
     epochs_done = np.zeros((), dtype=np.int64)
     position = _Position()
-    checkpoint = md.Checkpoint(w1=params[0], b1=params[1], w2=params[2], b2=params[3], epochs_done=epochs_done,
-                               train_loss=train_loss.variables[0], train_accuracy=train_accuracy.variables[0],
-                               position=position)
+    checkpoint = md.Checkpoint(
+        w1=params[0],
+        b1=params[1],
+        w2=params[2],
+        b2=params[3],
+        epochs_done=epochs_done,
+        train_loss=train_loss.variables[0],
+        train_accuracy=train_accuracy.variables[0],
+        position=position,
+    )
 
     progress = Progress(args.progress, rank == 0, steps, args.epochs)
-    progress.line(f"training a 64-{args.hidden}-10 MLP on {len(y_train)} digits ({source}), {len(y_test)} held out; "
-                  f"{n} rank{'s' if n != 1 else ''} ({strategy.backend.name}), global batch {args.global_batch_size} "
-                  f"= {n} x {args.global_batch_size // n}, {steps} steps per epoch")
+    progress.line(
+        f"training a 64-{args.hidden}-10 MLP on {len(y_train)} digits ({source}), {len(y_test)} held out; "
+        f"{n} rank{'s' if n != 1 else ''} ({strategy.backend.name}), global batch {args.global_batch_size} "
+        f"= {n} x {args.global_batch_size // n}, {steps} steps per epoch"
+    )
     if args.resume:
         try:
             where = checkpoint.restore(args.checkpoint_dir)
@@ -311,8 +391,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             progress.line(f"no checkpoint in {args.checkpoint_dir} yet: starting afresh")
         else:
             at = position.step_in(int(epochs_done), args.global_batch_size)
-            progress.line(f"resumed from {where} after epoch {int(epochs_done)}"
-                          + (f" and step {at} of epoch {int(epochs_done) + 1}" if at else ""))
+            progress.line(
+                f"resumed from {where} after epoch {int(epochs_done)}"
+                + (f" and step {at} of epoch {int(epochs_done) + 1}" if at else "")
+            )
 
     lr = np.float32(args.learning_rate)  # set per epoch below
 
@@ -356,25 +438,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             strategy.run(train_step, args=(batch,))
             progress.step(epoch + 1, step, epoch_started)
             if strategy.should_stop():  # the same step on every rank
-                saved = "not saved (--no-checkpoint)" if args.no_checkpoint else \
-                    f"saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
-                progress.line(f"stop requested: every rank stopped in epoch {epoch + 1}/{args.epochs} after step {step}/{steps}, "
-                              f"{saved}; continue with --resume", force=True)
+                saved = (
+                    "not saved (--no-checkpoint)"
+                    if args.no_checkpoint
+                    else f"saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
+                )
+                progress.line(
+                    f"stop requested: every rank stopped in epoch {epoch + 1}/{args.epochs} after step {step}/{steps}, "
+                    f"{saved}; continue with --resume",
+                    force=True,
+                )
                 return 0
         loss, train_acc = train_loss.result(), 100.0 * train_accuracy.result()
         accuracy = evaluate()
         epochs_done[...] = epoch + 1
         saved = "" if args.no_checkpoint else f", saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
-        progress.line(f"epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}, train accuracy {train_acc:.2f}%, "
-                      f"held-out accuracy {accuracy:.2f}% ({time.perf_counter() - epoch_started:.2f} s{saved})")
+        progress.line(
+            f"epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}, train accuracy {train_acc:.2f}%, "
+            f"held-out accuracy {accuracy:.2f}% ({time.perf_counter() - epoch_started:.2f} s{saved})"
+        )
 
     elapsed = time.perf_counter() - started
-    progress.line(f"final held-out accuracy: {accuracy:.2f}% ({len(y_test)} images, {n} rank{'s' if n != 1 else ''}, "
-                  f"{args.epochs} epochs, {elapsed:.1f} s)", force=True)
+    progress.line(
+        f"final held-out accuracy: {accuracy:.2f}% ({len(y_test)} images, {n} rank{'s' if n != 1 else ''}, "
+        f"{args.epochs} epochs, {elapsed:.1f} s)",
+        force=True,
+    )
     if args.min_accuracy is not None and not accuracy >= args.min_accuracy:
         if rank == 0:
-            print(f"error: the final held-out accuracy {accuracy:.2f}% is below --min-accuracy "
-                  f"{args.min_accuracy:.2f}%", file=sys.stderr)
+            print(
+                f"error: the final held-out accuracy {accuracy:.2f}% is below --min-accuracy {args.min_accuracy:.2f}%",
+                file=sys.stderr,
+            )
         return 1
     return 0
 

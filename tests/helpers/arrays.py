@@ -1,4 +1,5 @@
 """Assertions that accept NumPy and CuPy arrays alike, so one test runs on CPU and GPU."""
+
 from __future__ import annotations
 
 from typing import Any

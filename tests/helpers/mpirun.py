@@ -14,6 +14,7 @@ cluster, else the ``mpiexec`` next to ``sys.executable``, else ``PATH``'s), with
 the process count), and the environment of ``jobs/env.<MPI>`` (:func:`mpi_env`). The launcher's
 whole process tree is killed when the timeout expires; then ``returncode`` is ``None``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,16 @@ from pathlib import Path
 
 from paths import JOBS
 
-__all__ = ["MPIResult", "find_mpiexec", "mpi_env", "mpi_flavour", "mpiexec_command", "read_env_file",
-           "run_command", "run_mpi"]
+__all__ = [
+    "MPIResult",
+    "find_mpiexec",
+    "mpi_env",
+    "mpi_flavour",
+    "mpiexec_command",
+    "read_env_file",
+    "run_command",
+    "run_mpi",
+]
 
 # Seconds between SIGTERM (the launcher forwards it to the ranks and cleans up) and SIGKILL.
 KILL_GRACE = 3.0
@@ -51,7 +60,8 @@ def find_mpiexec(python: str | None = None) -> list[str]:
     if not found:
         raise FileNotFoundError(
             f"no mpiexec next to {python or sys.executable} or on PATH; install an MPI "
-            "(pip install -e '.[test,mpi]' or '.[test,mpich]') or set MPIDIST_MPIEXEC")
+            "(pip install -e '.[test,mpi]' or '.[test,mpich]') or set MPIDIST_MPIEXEC"
+        )
     return [found]
 
 
@@ -59,8 +69,9 @@ def find_mpiexec(python: str | None = None) -> list[str]:
 def mpi_flavour(launcher: str) -> str | None:
     """``"openmpi"``, ``"mpich"`` or ``None`` (srun, unknown): the MPI of ``launcher --version``."""
     try:
-        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=30,
-                             stdin=subprocess.DEVNULL).stdout
+        out = subprocess.run(
+            [launcher, "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     return "openmpi" if re.search("Open MPI|OpenRTE|PRRTE", out) else "mpich" if re.search("HYDRA|MPICH", out) else None
@@ -130,7 +141,7 @@ def _job_pids(leader: int) -> set[int]:
         if not stat:
             continue
         # After the command name (in parentheses, may hold anything): state, ppid, pgrp, session.
-        fields = stat[stat.rfind(b")") + 2:].split()
+        fields = stat[stat.rfind(b")") + 2 :].split()
         pid, ppid, sid = int(entry), int(fields[1]), int(fields[3])
         children.setdefault(ppid, []).append(pid)
         if sid == leader and pid != leader:
@@ -164,8 +175,13 @@ def _kill_job(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_command(args: Sequence[str], timeout: float | None, env: Mapping[str, str] | None = None,
-                cwd: str | os.PathLike | None = None, capture: bool = True) -> MPIResult:
+def run_command(
+    args: Sequence[str],
+    timeout: float | None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    capture: bool = True,
+) -> MPIResult:
     """Run ``args`` in a new session and process group; kill all of it after ``timeout`` s.
 
     With ``capture=False`` the output goes to this process's stdout/stderr and the result
@@ -175,9 +191,17 @@ def run_command(args: Sequence[str], timeout: float | None, env: Mapping[str, st
     args = [str(a) for a in args]
     pipe = subprocess.PIPE if capture else None
     start = time.monotonic()
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe,
-                            env=None if env is None else dict(env), cwd=cwd, start_new_session=True,
-                            text=True, errors="replace")
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=pipe,
+        stderr=pipe,
+        env=None if env is None else dict(env),
+        cwd=cwd,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         returncode = proc.returncode
@@ -198,8 +222,13 @@ def run_command(args: Sequence[str], timeout: float | None, env: Mapping[str, st
     return MPIResult(args, returncode, stdout or "", stderr or "", time.monotonic() - start)
 
 
-def run_mpi(n: int, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
-            cwd: str | os.PathLike | None = None) -> MPIResult:
+def run_mpi(
+    n: int,
+    argv: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> MPIResult:
     """Run ``argv`` on ``n`` MPI processes; never waits longer than ``timeout`` (plus the kill).
 
     ``env`` (default ``os.environ``) gets :func:`mpi_env`'s additions, and ``MPIEXEC_TIMEOUT``

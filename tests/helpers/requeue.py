@@ -7,6 +7,7 @@ passes it on to the launcher, the ranks stop after the same step, save and exit,
 requeues the job. Slurm holds a requeued job back for about two minutes; the helpers release it
 (``scontrol update StartTime=now``) once it is pending again. Every wait has a timeout.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,22 +29,38 @@ T = TypeVar("T")
 
 def job_env(slurm_env: Mapping[str, str], launcher: str) -> dict[str, str]:
     """The submitting environment of a job script: this virtual environment, ``launcher``, CPU mode."""
-    env = dict(slurm_env, MPIDIST_VENV=sys.prefix, MPIDIST_LAUNCHER=launcher, MPIDIST_DEVICE="cpu",
-               PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        slurm_env, MPIDIST_VENV=sys.prefix, MPIDIST_LAUNCHER=launcher, MPIDIST_DEVICE="cpu", PYTHONDONTWRITEBYTECODE="1"
+    )
     for key in ("MPIDIST_SRUN_MPI", "MPIDIST_MPIEXEC", "MPIDIST_JOBS"):
         env.pop(key, None)
     return env
 
 
-def submit_training(env: Mapping[str, str], workdir: Path, name: str, checkpoints: Path, epochs: int,
-                    sbatch_args: list[str]) -> str:
+def submit_training(
+    env: Mapping[str, str], workdir: Path, name: str, checkpoints: Path, epochs: int, sbatch_args: list[str]
+) -> str:
     """Submit ``train.sbatch`` for ``epochs`` epochs (output ``workdir/NAME-JOBID.out``); its job id.
 
     ``sbatch_args``: the cluster's options (nodes, tasks, cores, GPUs).
     """
-    command = ["sbatch", "--parsable", f"--job-name=mpidist-test-{name}", "--time=5",
-               f"--output={workdir}/{name}-%j.out", *sbatch_args, JOBS / "train.sbatch",
-               "--epochs", epochs, "--checkpoint-dir", checkpoints, "--progress", "lines", "--data", "shipped"]
+    command = [
+        "sbatch",
+        "--parsable",
+        f"--job-name=mpidist-test-{name}",
+        "--time=5",
+        f"--output={workdir}/{name}-%j.out",
+        *sbatch_args,
+        JOBS / "train.sbatch",
+        "--epochs",
+        epochs,
+        "--checkpoint-dir",
+        checkpoints,
+        "--progress",
+        "lines",
+        "--data",
+        "shipped",
+    ]
     result = run(command, 60, env=env, cwd=REPO)
     assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
     return result.stdout.strip().split(";")[0]
@@ -67,6 +84,7 @@ def until(what: str, check: Callable[[], T], timeout: float = WAIT) -> T:
 
 def final(env: Mapping[str, str], job_id: str, workdir: Path, name: str) -> dict[str, str]:
     """The job's fields once it reached a final state (``JobState=VANISHED`` if forgotten by then)."""
+
     def ended():
         fields = scontrol_jobs(env).get(job_id)
         if fields is None:
@@ -78,6 +96,7 @@ def final(env: Mapping[str, str], job_id: str, workdir: Path, name: str) -> dict
 
 def training_started(workdir: Path, name: str, epochs: int, failed: Optional[re.Pattern] = None) -> str:
     """Wait until the job trains its third epoch (or its output matches ``failed``); its output."""
+
     def third_epoch():
         out = output(workdir, name)
         return out if re.search(rf"^epoch 3/{epochs}:", out, re.M) or (failed and failed.search(out)) else None
@@ -94,8 +113,11 @@ def preempt_and_release(env: Mapping[str, str], job_id: str, workdir: Path, name
         fields = scontrol_jobs(env).get(job_id, {})
         assert fields.get("JobState") not in FINAL_STATES, f"{fields}\n{output(workdir, name)}"
         # released only once Slurm set its start time (Reason=BeginTime): the old run has ended
-        return (fields.get("JobState") == "PENDING" and int(fields.get("Restarts", "0")) >= 1
-                and fields.get("Reason") not in (None, "None"))
+        return (
+            fields.get("JobState") == "PENDING"
+            and int(fields.get("Restarts", "0")) >= 1
+            and fields.get("Reason") not in (None, "None")
+        )
 
     until("the job to requeue itself", requeued)
     # slurmd refuses a job credential created within the same second as its revocation (Slurm
@@ -106,8 +128,9 @@ def preempt_and_release(env: Mapping[str, str], job_id: str, workdir: Path, name
     assert released.returncode == 0, released.stderr
 
 
-def requeue_resumes_to_the_uninterrupted_result(env: Mapping[str, str], job_id: str, workdir: Path, name: str,
-                                                epochs: int, sbatch_args: list[str]) -> None:
+def requeue_resumes_to_the_uninterrupted_result(
+    env: Mapping[str, str], job_id: str, workdir: Path, name: str, epochs: int, sbatch_args: list[str]
+) -> None:
     """Preempt the training job ``job_id`` (checkpoints in ``workdir/NAME``), then assert the whole story.
 
     It stops on every rank at the same step, saves, requeues itself, resumes at the saved step and

@@ -5,6 +5,7 @@ in place and out of place, over a duplicate of COMM_SELF and of COMM_WORLD;
 expected values are derived from rank and size. At one rank the template
 copies and makes no MPI call at all.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,11 @@ pytestmark = pytest.mark.mpi
 SETTINGS = {"flat": {}, "two-level": {"hierarchical": True, "node_size": 2}}
 
 
-@pytest.fixture(scope="module", params=[(base, algo) for base in ("self", "world") for algo in SETTINGS],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(base, algo) for base in ("self", "world") for algo in SETTINGS],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def reduction(request):
     base, algo = request.param
     comm = (MPI.COMM_SELF if base == "self" else MPI.COMM_WORLD).Dup()

@@ -5,6 +5,7 @@ sub-communicators of the first ``size`` world ranks (``COMM_WORLD.Split``); rank
 a group skip that part. Expected values derive from rank and size. Every rank makes the
 same collective calls in the same order, also where a call is expected to fail.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import mpidist
-from mpidist._checkpoint import checkpoint as _checkpoint
-from mpidist._checkpoint import format as fmt
-from mpidist._checkpoint import reader
+from mpidist._checkpoint import checkpoint as _checkpoint, format as fmt, reader
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._errors import ChecksumError
 
@@ -117,6 +116,7 @@ def build(strategy, fill: bool) -> dict:
     model["table"] = np.arange(6, dtype=np.int32) * n * 10 if fill and r == 0 else np.full(6, -1, np.int32)
     model["inputs"] = ShardedRange(r, n)
     if fill:
+
         def step():
             model["total"].assign(np.arange(6.0) + r)
             model["count"].assign(COUNTS * (r + 1))
@@ -289,7 +289,8 @@ def test_a_failing_set_state_is_rolled_back_on_every_rank(strategy, shared_dir):
     next(inputs), next(other)
     with pytest.raises(RuntimeError, match=f"rank {n - 1}: RuntimeError: set_state refused on rank {n - 1}"):
         Checkpoint(inputs=inputs, more=other, weights=model["weights"]).restore(
-            _renamed(shared_dir, {"inputs": "more"}))
+            _renamed(shared_dir, {"inputs": "more"})
+        )
     assert inputs.position == n and other.position == n
     assert (components(model["weights"]) == 0).all()
 
@@ -385,9 +386,11 @@ def diverged_model(strategy) -> dict:
     """Mirrored variables whose component on rank r is filled with r + 1 (diverged when n > 1)."""
     r = strategy.rank
     with strategy.scope():
-        model = {"one": mpidist.Variable(np.zeros(1), name="one"),
-                 "large": mpidist.Variable(np.zeros(1000, np.float32), name="large"),
-                 "same": mpidist.Variable(np.arange(7.0), name="same")}
+        model = {
+            "one": mpidist.Variable(np.zeros(1), name="one"),
+            "large": mpidist.Variable(np.zeros(1000, np.float32), name="large"),
+            "same": mpidist.Variable(np.arange(7.0), name="same"),
+        }
     for name in ("one", "large"):
         model[name].values[0][...] = r + 1
     return model
@@ -466,8 +469,7 @@ def test_restore_reads_each_byte_once_per_node_and_gathers_within_it(shared_dir,
         rank, size = strategy.rank, strategy.num_replicas_in_sync
         with strategy.scope():
             w = mpidist.Variable(np.arange(3000, dtype=np.float64) * (rank == 0), name="w")  # rank 0's is broadcast
-            m = mpidist.Variable(np.full((5, 7), 2, np.int32), name="m", synchronization="on_read",
-                                 aggregation="sum")
+            m = mpidist.Variable(np.full((5, 7), 2, np.int32), name="m", synchronization="on_read", aggregation="sum")
         plain = np.arange(1000, dtype=np.int16)
         Checkpoint(w=w, m=m, plain=plain).save(shared_dir, block_bytes=1024)
         with strategy.scope():
@@ -490,7 +492,7 @@ def test_restore_reads_each_byte_once_per_node_and_gathers_within_it(shared_dir,
             with strategy.scope():
                 np.testing.assert_array_equal(m.read_value(), np.full((5, 7), 2 * size, np.int32))
             np.testing.assert_array_equal(plain, np.arange(1000, dtype=np.int16))
-        reads = strategy.comm.allgather(read[:len(read) // 2])  # the first restore's reads
+        reads = strategy.comm.allgather(read[: len(read) // 2])  # the first restore's reads
         group = node_size if node_size < size else size
         sizes = {"w": 3000 * 8, "m": 35 * 4, "plain": 2000}
         for first in range(0, size, group):

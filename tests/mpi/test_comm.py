@@ -5,6 +5,7 @@ any world size. Each check runs twice (lazy-initialisation bugs) over a
 duplicate of COMM_SELF and of COMM_WORLD. Every rank makes the same calls in
 the same order, also where a call is expected to fail.
 """
+
 from __future__ import annotations
 
 import time
@@ -94,8 +95,15 @@ def test_allreduce_bool(comm):
         np.testing.assert_array_equal(comm.allreduce(mine, "prod"), all_)
 
 
-@pytest.mark.parametrize("op,dtype", [(op, dt) for op in ("sum", "mean", "max")
-                                      for dt in ("int32", "float32", "float64", "complex128") if defined(op, dt)])
+@pytest.mark.parametrize(
+    "op,dtype",
+    [
+        (op, dt)
+        for op in ("sum", "mean", "max")
+        for dt in ("int32", "float32", "float64", "complex128")
+        if defined(op, dt)
+    ],
+)
 def test_pipelined_allreduce_matches_single_call(op, dtype):
     piecewise = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1024))
     whole = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1 << 30))
@@ -159,10 +167,10 @@ def test_reduce_scatter(comm, op):
     rows = 2 * comm.size + 1
     full = expected(op, comm.size, (rows, 2), "float64")
     counts = comm.split_counts(rows)
-    start = sum(counts[:comm.rank])
+    start = sum(counts[: comm.rank])
     for _ in range(2):
         block = comm.reduce_scatter(contribution(comm.rank, (rows, 2), "float64"), op)
-        np.testing.assert_array_equal(block, full[start:start + counts[comm.rank]])
+        np.testing.assert_array_equal(block, full[start : start + counts[comm.rank]])
     explicit = [0] * comm.size
     explicit[-1] = rows  # everything to the last rank
     block = comm.reduce_scatter(contribution(comm.rank, (rows, 2), "float64"), op, counts=explicit)
@@ -238,10 +246,12 @@ def _ranks(ranks: list) -> str:
 def test_checks_off_still_reduce_correctly():
     c = Communicator(MPI.COMM_WORLD, Options(check_collectives=False, timeout=None, piece_bytes=8192))
     for _ in range(2):
-        np.testing.assert_array_equal(c.allreduce(contribution(c.rank, (5,), "int64")),
-                                      expected("sum", c.size, (5,), "int64"))
-        np.testing.assert_array_equal(c.allgather(np.full(c.rank + 1, c.rank)),
-                                      np.repeat(np.arange(c.size), np.arange(1, c.size + 1)))
+        np.testing.assert_array_equal(
+            c.allreduce(contribution(c.rank, (5,), "int64")), expected("sum", c.size, (5,), "int64")
+        )
+        np.testing.assert_array_equal(
+            c.allgather(np.full(c.rank + 1, c.rank)), np.repeat(np.arange(c.size), np.arange(1, c.size + 1))
+        )
         c.barrier()
         for op in ("sum", "mean"):  # nonblocking, also in pieces
             a = contribution(c.rank, (3000,), "float64")

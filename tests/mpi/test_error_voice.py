@@ -5,6 +5,7 @@ hand) and checks that the message begins with ``on_rank(rank, ...)``'s ``"rank N
 rank that raises. Errors that need two ranks to disagree skip at one rank. RankLeftError (a rank
 that leaves the job) is checked the same way by the whole-job runs of test_collective_safety.py.
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ test_comm), and every fused result is also compared with one plain
 arrays, arrays reduced where they are in several pieces, and runs of arrays that
 lie back to back in one buffer. Every rank makes the same calls in the same order.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -70,8 +71,14 @@ def test_reduce_apply_matches_plain_reduction(fusion, dtype, flat, in_place):
             targets = inputs(comm, dtype, flat)
             if flat:  # back to back, except around the empty array (numpy moves its pointer)
                 assert [joinable(a, b) for a, b in zip(targets, targets[1:])] == [True, False, False, True, True]
-            fusion.reduce_apply(sends, targets, [reduce_op] * len(sends), lambda t, r: t.__setitem__(Ellipsis, r),
-                                [f"a{i}" for i in range(len(sends))], in_place)
+            fusion.reduce_apply(
+                sends,
+                targets,
+                [reduce_op] * len(sends),
+                lambda t, r: t.__setitem__(Ellipsis, r),
+                [f"a{i}" for i in range(len(sends))],
+                in_place,
+            )
             for i, (send, target) in enumerate(zip(sends, targets)):
                 want = plain(comm, before[i], op)
                 np.testing.assert_array_equal(target, want, err_msg=f"{op} array {i}")
@@ -81,8 +88,14 @@ def test_reduce_apply_matches_plain_reduction(fusion, dtype, flat, in_place):
 def test_reduce_apply_mixed_ops_and_dtypes(fusion):
     comm = fusion
     n = comm.size
-    specs = [("float32", ReduceOp.MEAN), ("int64", ReduceOp.SUM), ("float32", ReduceOp.SUM), ("float64", None),
-             ("float32", ReduceOp.MEAN), ("int64", ReduceOp.SUM)]
+    specs = [
+        ("float32", ReduceOp.MEAN),
+        ("int64", ReduceOp.SUM),
+        ("float32", ReduceOp.SUM),
+        ("float64", None),
+        ("float32", ReduceOp.MEAN),
+        ("int64", ReduceOp.SUM),
+    ]
     for _ in range(2):
         sends = [contribution(comm.rank, (300,), dt) for dt, _ in specs]
         targets = [np.ones(300, dt) for dt, _ in specs]
@@ -104,8 +117,14 @@ def test_packed_buckets_and_pieces_in_turn(fusion, dtype, in_place):
         sends = [contribution(comm.rank, shape, dtype) + i for i, shape in enumerate(shapes)]
         before = [s.copy() for s in sends]
         targets = [np.ones(shape, dtype) for shape in shapes]
-        fusion.reduce_apply(sends, targets, [None if op is None else ReduceOp.of(op)] * len(sends),
-                            lambda t, r: t.__iadd__(r), [f"p{i}" for i in range(len(sends))], in_place)
+        fusion.reduce_apply(
+            sends,
+            targets,
+            [None if op is None else ReduceOp.of(op)] * len(sends),
+            lambda t, r: t.__iadd__(r),
+            [f"p{i}" for i in range(len(sends))],
+            in_place,
+        )
         for i, (send, target) in enumerate(zip(sends, targets)):
             want = plain(comm, before[i], op)
             np.testing.assert_array_equal(target, 1 + want, err_msg=f"{op} array {i}")
@@ -158,8 +177,9 @@ def test_fused_mismatch_names_the_array_and_modifies_nothing(fusion):
         assert isinstance(info.value, TypeError) and "'strided'" in str(info.value)
     else:
         assert "could not take part" in str(info.value)
-    np.testing.assert_array_equal(fusion.allreduce_many([np.ones(1), np.ones(2)], ReduceOp.SUM, ["x", "y"])[1],
-                                  [comm.size] * 2)  # still in step
+    np.testing.assert_array_equal(
+        fusion.allreduce_many([np.ones(1), np.ones(2)], ReduceOp.SUM, ["x", "y"])[1], [comm.size] * 2
+    )  # still in step
 
 
 # -- the strategy's fused paths ----------------------------------------------------------------
@@ -186,15 +206,26 @@ def assert_identical_on_all_ranks(strategy, arrays):
 @pytest.mark.parametrize("fn", ["assign_add", "assign_sub", "assign", "scaled"])
 def test_batch_update_equals_one_update_per_variable(strategy, fn):
     n, r = strategy.num_replicas_in_sync, strategy.rank
-    specs = [("float32", (5, 7), Agg.MEAN), ("float64", (), Agg.SUM), ("int32", (3,), Agg.SUM),
-             ("float32", (900,), Agg.MEAN), ("float16", (4,), Agg.ONLY_FIRST_REPLICA), ("complex64", (2, 2), Agg.SUM),
-             ("float32", (11,), Agg.MEAN), ("int64", (1000,), Agg.SUM)]
+    specs = [
+        ("float32", (5, 7), Agg.MEAN),
+        ("float64", (), Agg.SUM),
+        ("int32", (3,), Agg.SUM),
+        ("float32", (900,), Agg.MEAN),
+        ("float16", (4,), Agg.ONLY_FIRST_REPLICA),
+        ("complex64", (2, 2), Agg.SUM),
+        ("float32", (11,), Agg.MEAN),
+        ("int64", (1000,), Agg.SUM),
+    ]
     update = (lambda w, g: w.__isub__(g * 2)) if fn == "scaled" else fn
     with strategy.scope():
-        fused = [Variable(contribution(0, shape, dt), aggregation=agg, name=f"v{i}") for i, (dt, shape, agg) in
-                 enumerate(specs)]
-        single = [Variable(contribution(0, shape, dt), aggregation=agg, name=f"s{i}") for i, (dt, shape, agg) in
-                  enumerate(specs)]
+        fused = [
+            Variable(contribution(0, shape, dt), aggregation=agg, name=f"v{i}")
+            for i, (dt, shape, agg) in enumerate(specs)
+        ]
+        single = [
+            Variable(contribution(0, shape, dt), aggregation=agg, name=f"s{i}")
+            for i, (dt, shape, agg) in enumerate(specs)
+        ]
         grads = strategy.flat_zeros_like(fused)
         if strategy.options.flat_variables:
             assert all(joinable(a.component, b.component) for a, b in zip(fused[:4], fused[1:4]) if a.dtype == b.dtype)
@@ -233,8 +264,11 @@ def test_batch_update_errors_name_the_variable(strategy):
         assert_equal(b.component, [3.0, 3.0])
         if strategy.num_replicas_in_sync > 1:
             with pytest.raises(CollectiveMismatchError, match="'c_int'"):
-                pairs = [(a, np.ones(2)), (c, np.ones(3, np.int64))] if strategy.rank else [(a, np.ones(2)),
-                                                                                          (a, np.ones(2))]
+                pairs = (
+                    [(a, np.ones(2)), (c, np.ones(3, np.int64))]
+                    if strategy.rank
+                    else [(a, np.ones(2)), (a, np.ones(2))]
+                )
                 strategy.run(lambda: strategy.batch_update(pairs))
             assert_equal(a.component, [1.0, 1.0])  # nothing was modified
 
@@ -242,17 +276,24 @@ def test_batch_update_errors_name_the_variable(strategy):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "complex128"])
 def test_fused_reduce_of_a_nest_and_async(strategy, dtype):
     n, r = strategy.num_replicas_in_sync, strategy.rank
-    nest = {"a": [md.PerReplica({r: contribution(r, (700,), dtype)}), contribution(r, (3, 2), dtype)],
-            "b": md.Mirrored({r: np.ones(4, dtype)}), "c": 2}
+    nest = {
+        "a": [md.PerReplica({r: contribution(r, (700,), dtype)}), contribution(r, (3, 2), dtype)],
+        "b": md.Mirrored({r: np.ones(4, dtype)}),
+        "c": 2,
+    }
     for op in ("sum", "mean"):
-        want = {"a": [strategy.reduce(op, nest["a"][0]), strategy.reduce(op, nest["a"][1])],
-                "b": strategy.reduce(op, nest["b"]), "c": strategy.reduce(op, 2)}
+        want = {
+            "a": [strategy.reduce(op, nest["a"][0]), strategy.reduce(op, nest["a"][1])],
+            "b": strategy.reduce(op, nest["b"]),
+            "c": strategy.reduce(op, 2),
+        }
         got = strategy.reduce(op, nest)
         handle = strategy.reduce_async(op, nest)
 
         def in_replica():
-            return md.get_replica_context().all_reduce(op, {"a": [nest["a"][0].get(), nest["a"][1]],
-                                                            "b": nest["b"], "c": 2})
+            return md.get_replica_context().all_reduce(
+                op, {"a": [nest["a"][0].get(), nest["a"][1]], "b": nest["b"], "c": 2}
+            )
 
         with strategy.scope():
             replica = strategy.run(in_replica)

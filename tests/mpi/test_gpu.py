@@ -14,6 +14,7 @@ allreduce, broadcast, one fused bucket or piece of ``reduce_apply``: one each
 way; allgather and reduce_scatter: the input and the output buffer to the
 host, the output back. Every rank makes the same calls in the same order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -96,7 +97,9 @@ def test_rank_zero_reports_the_transfer_path_once(comm, caplog, setting):
     cuda_aware_module._reported.clear()
     with caplog.at_level(logging.INFO, logger="mpidist.comm"):
         for _ in range(2):
-            assert cuda_aware_module.resolve_cuda_aware(comm.mpi_comm, comm.backend, setting).enabled is (setting == "1")
+            assert cuda_aware_module.resolve_cuda_aware(comm.mpi_comm, comm.backend, setting).enabled is (
+                setting == "1"
+            )
     lines = [r.getMessage() for r in caplog.records if r.name == "mpidist.comm"]
     if comm.rank == 0:
         path = "go to MPI directly (CUDA-aware)" if setting == "1" else "staged through pinned host memory"
@@ -231,8 +234,10 @@ def test_batch_update_of_many_variables(device_ledger, flat):
         n, r = s.num_replicas_in_sync, s.rank
         shapes = [(3, 4), (700,), (5,), (2000,)]
         with s.scope():
-            variables = [md.Variable(cupy.zeros(shape, dtype=cupy.float32), name=f"v{i}",
-                                     aggregation=md.VariableAggregation.SUM) for i, shape in enumerate(shapes)]
+            variables = [
+                md.Variable(cupy.zeros(shape, dtype=cupy.float32), name=f"v{i}", aggregation=md.VariableAggregation.SUM)
+                for i, shape in enumerate(shapes)
+            ]
         grads = s.flat_zeros_like(variables) if flat else [cupy.zeros(shape, cupy.float32) for shape in shapes]
         for g in grads:
             g[...] = r + 1
@@ -256,8 +261,12 @@ def test_sync_on_read_variable_on_the_device(strategy, device_ledger):
 
     n, r = strategy.num_replicas_in_sync, strategy.rank
     with strategy.scope():
-        v = md.Variable(cupy.zeros(3, dtype=cupy.float64), name="count",
-                        synchronization=md.VariableSynchronization.ON_READ, aggregation=md.VariableAggregation.SUM)
+        v = md.Variable(
+            cupy.zeros(3, dtype=cupy.float64),
+            name="count",
+            synchronization=md.VariableSynchronization.ON_READ,
+            aggregation=md.VariableAggregation.SUM,
+        )
     strategy.run(lambda: v.assign_add(cupy.full(3, r + 1.0)))
     device_ledger.reset()
     total = strategy.read_var(v)

@@ -1,4 +1,5 @@
 """Mirror consistency and the non-finite guard (issue: errors instead of hangs), at 1, 2 and 3 ranks."""
+
 from __future__ import annotations
 
 import warnings

@@ -7,6 +7,7 @@ case runs blocking, pipelined (pieces of 1 KiB), nonblocking, fused, and with
 a timeout (the polled path). Values are small integers, so every summation
 order gives the same bits.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,12 @@ from test_comm import NUMERIC, contribution, defined, expected
 
 pytestmark = pytest.mark.mpi
 
-OPS_DTYPES = [(op, dt) for op in ("sum", "mean", "max", "prod") for dt in ["bool"] + NUMERIC
-              if defined(op, dt) and not (dt == "bool" and op == "mean")]
+OPS_DTYPES = [
+    (op, dt)
+    for op in ("sum", "mean", "max", "prod")
+    for dt in ["bool"] + NUMERIC
+    if defined(op, dt) and not (dt == "bool" and op == "mean")
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +90,10 @@ def test_hierarchical_fused_paths(flat, hier):
     arrays = [contribution(hier.rank, shape, "float32") for shape in [(3,), (600,), (), (2, 2)]]
     want = [flat.allreduce(a, "mean") for a in arrays]
     for _ in range(2):
-        for got in (fused.allreduce_many(arrays, ReduceOp.MEAN, list("abcd")),
-                    fused.iallreduce_many(arrays, ReduceOp.MEAN, list("abcd")).wait()):
+        for got in (
+            fused.allreduce_many(arrays, ReduceOp.MEAN, list("abcd")),
+            fused.iallreduce_many(arrays, ReduceOp.MEAN, list("abcd")).wait(),
+        ):
             for g, w in zip(got, want):
                 np.testing.assert_array_equal(g, w)
         targets = [np.zeros_like(a) for a in arrays]

@@ -5,6 +5,7 @@ duplicate of COMM_SELF and of COMM_WORLD, with the agreement's checks on and
 off (and with and without a deadline), twice in a row, and is followed by a
 collective that must still line up on every rank.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,11 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=[(base, mode) for base in ("self", "world") for mode in MODES],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(base, mode) for base in ("self", "world") for mode in MODES],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def comm(request):
     base, mode = request.param
     c = Communicator(MPI.COMM_SELF if base == "self" else MPI.COMM_WORLD, Options.resolve(env={}, **MODES[mode]))
@@ -79,8 +83,10 @@ def test_failures_described_alike_on_every_rank(comm):
 def test_describe_failures_groups_ranks():
     assert describe_failures({}) == ""
     assert describe_failures({0: "X: a", 1: "X: a", 3: "Y: b"}) == "ranks 0-1: X: a; rank 3: Y: b"
-    assert describe_failures({2: ValueError("v"), 0: "ValueError: v", 1: "E: e"}) == \
-        "ranks 0, 2: ValueError: v; rank 1: E: e"
+    assert (
+        describe_failures({2: ValueError("v"), 0: "ValueError: v", 1: "E: e"})
+        == "ranks 0, 2: ValueError: v; rank 1: E: e"
+    )
     many = {r: f"E: failure {r}" for r in range(500)}
     assert describe_failures(many).endswith("(500 different failures in all)")
 

@@ -6,6 +6,7 @@ not at others, so the expected outcome (the exact sum, or an
 rank makes the same calls in the same order, also where they raise; after a
 refusal nothing was written and the communicator goes on working.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,10 +45,10 @@ CASES = [
     ("int8", [100, -100, 60, 1, 0]),
     ("uint8", [200, 90, 1]),
     ("int16", [20000, -12000, 7]),
-    ("int32", [2 ** 30, -(2 ** 30) - 1, 2 ** 29, 5]),
-    ("uint32", [2 ** 31, 2 ** 31 - 1, 3]),
-    ("int64", [2 ** 62, -(2 ** 62), 2 ** 61, -(2 ** 61) - 3, 2 ** 40 + 7]),
-    ("uint64", [2 ** 63, 2 ** 62 + 5, 2 ** 40]),
+    ("int32", [2**30, -(2**30) - 1, 2**29, 5]),
+    ("uint32", [2**31, 2**31 - 1, 3]),
+    ("int64", [2**62, -(2**62), 2**61, -(2**61) - 3, 2**40 + 7]),
+    ("uint64", [2**63, 2**62 + 5, 2**40]),
 ]
 
 
@@ -64,7 +65,7 @@ def test_allreduce_gives_the_exact_sum_or_refuses_on_every_rank(comm, dtype, val
         return
     with pytest.raises(IntegerOverflowError, match=f"SUM of 'counts' does not fit dtype {dtype}") as info:
         comm.allreduce(mine, "sum", out=out, name="counts")
-    assert info.value.name == "counts" and list(info.value.indices[:len(bad)]) == bad
+    assert info.value.name == "counts" and list(info.value.indices[: len(bad)]) == bad
     assert (out == 9).all()  # nothing written
     np.testing.assert_array_equal(comm.allreduce(np.ones(3, np.int64)), np.full(3, SIZE))  # still usable
 
@@ -111,7 +112,7 @@ def test_a_mirrored_update_that_overflows_leaves_every_variable_as_it_was():
     with strategy.scope():
         count = md.Variable(np.zeros(2, np.int32), aggregation="sum", name="count")
         weight = md.Variable(np.ones(2), aggregation="mean", name="weight")
-    step = np.array([2 ** 30, 1], dtype=np.int32)  # 2**30 * size overflows int32 from 2 ranks on
+    step = np.array([2**30, 1], dtype=np.int32)  # 2**30 * size overflows int32 from 2 ranks on
 
     def update():
         strategy.batch_update([(weight, np.full(2, 3.0)), (count, step)])
@@ -122,7 +123,7 @@ def test_a_mirrored_update_that_overflows_leaves_every_variable_as_it_was():
         assert count.numpy().tolist() == [0, 0] and weight.numpy().tolist() == [1.0, 1.0]
     else:
         strategy.run(update)
-        assert count.numpy().tolist() == [2 ** 30, 1] and weight.numpy().tolist() == [4.0, 4.0]
+        assert count.numpy().tolist() == [2**30, 1] and weight.numpy().tolist() == [4.0, 4.0]
     with strategy.scope():
         total = md.Variable(np.zeros(1, np.int8), synchronization="on_read", aggregation="sum", name="total")
     strategy.run(lambda: total.assign(np.array([100], np.int8)))

@@ -5,6 +5,7 @@ agreement record; with every check off, ``should_stop(check_every=k)`` checks ev
 Serial tests: signal names, and a one-rank world. The same stop under a real Slurm, signalled
 by it, is the system test ``tests/system/test_preemption_slurm.py``.
 """
+
 from __future__ import annotations
 
 import os
@@ -113,7 +114,11 @@ def test_checkpoint_after_agreed_stop_restores_the_same_step(tmp_path_factory):
 
 def test_signal_names():
     assert signal_numbers(("USR1", "sigterm", signal.SIGUSR2, 1)) == (
-        int(signal.SIGUSR1), int(signal.SIGTERM), int(signal.SIGUSR2), 1)
+        int(signal.SIGUSR1),
+        int(signal.SIGTERM),
+        int(signal.SIGUSR2),
+        1,
+    )
     with pytest.raises(ValueError, match="unknown signal"):
         signal_numbers(("NOPE",))
     with pytest.raises(TypeError):

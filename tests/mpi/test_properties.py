@@ -5,12 +5,12 @@ every rank, and never a hang. Under ``--with-mpi`` Hypothesis is derandomized
 (see conftest.py), so every rank draws the same examples in the same order and
 reaches the same collectives.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 from mpi4py import MPI
 
@@ -57,8 +57,12 @@ def expected_error(op: str, dtype: str, contiguous: bool):
 
 
 @settings(max_examples=60)
-@given(shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
-       dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS), strided=st.booleans())
+@given(
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
+    dtype=st.sampled_from(DTYPES),
+    op=st.sampled_from(OPS),
+    strided=st.booleans(),
+)
 def test_allreduce_right_answer_or_clear_error(comm, shape, dtype, op, strided):
     mine = rank_values(comm.rank, shape, dtype)
     if strided and mine.ndim and mine.shape[-1] > 1:
@@ -81,8 +85,7 @@ def test_allreduce_right_answer_or_clear_error(comm, shape, dtype, op, strided):
 
 
 @settings(max_examples=40)
-@given(rows=st.lists(st.integers(0, 4), min_size=3, max_size=3), cols=st.integers(0, 3),
-       dtype=st.sampled_from(DTYPES))
+@given(rows=st.lists(st.integers(0, 4), min_size=3, max_size=3), cols=st.integers(0, 3), dtype=st.sampled_from(DTYPES))
 def test_allgather_unequal_rows(comm, rows, cols, dtype):
     counts = [rows[r % 3] for r in range(comm.size)]
     out = comm.allgather(rank_values(comm.rank, (counts[comm.rank], cols), dtype))

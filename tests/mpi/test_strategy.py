@@ -3,6 +3,7 @@
 Expected values are derived from rank and size; every rank makes the same
 collective calls in the same order.
 """
+
 from __future__ import annotations
 
 import collections
@@ -13,7 +14,7 @@ from mpi4py import MPI
 
 import mpidist as md
 from arrays import DEVICES, assert_close, assert_equal
-from mpidist import MPIStrategy, Mirrored, PerReplica, ReduceOp
+from mpidist import Mirrored, MPIStrategy, PerReplica, ReduceOp
 
 pytestmark = pytest.mark.mpi
 
@@ -69,9 +70,8 @@ def test_scope_and_contexts(strategy):
 def test_two_strategies_do_not_mix(strategy):
     other = MPIStrategy()
     with strategy.scope():
-        with pytest.raises(RuntimeError, match="another strategy"):
-            with other.scope():
-                pass
+        with pytest.raises(RuntimeError, match="another strategy"), other.scope():
+            pass
         with pytest.raises(RuntimeError, match="another strategy"):
             other.run(lambda: None)
     other.free()
@@ -107,9 +107,8 @@ def test_run_returns_variables_as_themselves(strategy):
 
 
 def test_run_inside_run_is_an_error(strategy):
-    with strategy.scope():
-        with pytest.raises(RuntimeError, match="inside strategy.run"):
-            strategy.run(lambda: strategy.run(lambda: None))
+    with strategy.scope(), pytest.raises(RuntimeError, match="inside strategy.run"):
+        strategy.run(lambda: strategy.run(lambda: None))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "complex128"])
@@ -136,8 +135,10 @@ def test_reduce_with_axis_is_exact_for_unequal_batches(strategy):
         assert strategy.reduce("sum", local, axis=0) == everything.sum()
         assert strategy.reduce("mean", local, axis=0) == pytest.approx(everything.mean(), rel=1e-15)
     two_d = PerReplica({r: np.ones((r + 1, 3)) * (r + 1)})
-    assert_close(strategy.reduce("mean", two_d, axis=0),
-                               np.full(3, sum((q + 1) ** 2 for q in range(n)) / sum(q + 1 for q in range(n))))
+    assert_close(
+        strategy.reduce("mean", two_d, axis=0),
+        np.full(3, sum((q + 1) ** 2 for q in range(n)) / sum(q + 1 for q in range(n))),
+    )
 
 
 def test_reduce_of_a_nest(strategy):
@@ -192,7 +193,8 @@ def test_replica_all_reduce_of_a_nest(strategy):
     def fn():
         ctx = md.get_replica_context()
         return ctx.all_reduce("sum", {"g": np.full(3, r, np.float32), "h": [np.array(1)]}), ctx.all_reduce(
-            ReduceOp.MEAN, np.array(float(r)))
+            ReduceOp.MEAN, np.array(float(r))
+        )
 
     with strategy.scope():
         nest, mean = strategy.run(fn)

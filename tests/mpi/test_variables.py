@@ -4,6 +4,7 @@ Expected values are derived from rank and size. After every replica-context
 update of a mirrored variable the components are checked to be bitwise
 identical on all ranks by gathering their bytes.
 """
+
 from __future__ import annotations
 
 import os
@@ -73,8 +74,12 @@ def test_default_names_count_per_strategy(device):
     for _ in range(2):  # a second strategy starts again from "Variable"
         s = MPIStrategy(device=device)
         with s.scope():
-            names = [Variable(0.0).name, Variable(1.0, name="w").name, Variable(2.0).name,
-                     Variable(3.0, synchronization=Sync.ON_READ).name]
+            names = [
+                Variable(0.0).name,
+                Variable(1.0, name="w").name,
+                Variable(2.0).name,
+                Variable(3.0, synchronization=Sync.ON_READ).name,
+            ]
         assert names == ["Variable", "w", "Variable_1", "Variable_2"]
         s.free()
 
@@ -97,8 +102,10 @@ def test_conversion_of_mirrored_variables_is_the_local_component(strategy):
             assert_equal(np.from_dlpack(v), [1.0, 2.0])
             assert not hasattr(v, "__cuda_array_interface__")
         strategy.run(lambda: v.assign_add(np.array([r + 1.0, 0.0])))
-        assert_equal(host(v.__array__()) if not strategy.backend.is_gpu else host(v.component),
-                     [1.0 + sum(range(1, strategy.num_replicas_in_sync + 1)), 2.0])
+        assert_equal(
+            host(v.__array__()) if not strategy.backend.is_gpu else host(v.component),
+            [1.0 + sum(range(1, strategy.num_replicas_in_sync + 1)), 2.0],
+        )
 
 
 @pytest.mark.parametrize("agg", [Agg.SUM, Agg.MEAN])
@@ -161,8 +168,11 @@ def test_replica_update_with_a_constant_under_sum_adds_n_times(strategy, agg):
 def test_mirrored_replica_updates_aggregate(strategy, agg):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     contributions = [np.array([q + 1.0, 0.1 * (q + 1)]) for q in range(n)]
-    combined = {Agg.SUM: sum(contributions), Agg.MEAN: sum(contributions) / n,
-                Agg.ONLY_FIRST_REPLICA: contributions[0]}[agg]
+    combined = {
+        Agg.SUM: sum(contributions),
+        Agg.MEAN: sum(contributions) / n,
+        Agg.ONLY_FIRST_REPLICA: contributions[0],
+    }[agg]
     with strategy.scope():
         v = Variable(np.array([10.0, 20.0]), name=f"m_{agg.name}", aggregation=agg)
         expect = np.array([10.0, 20.0])
@@ -190,7 +200,9 @@ def test_mirrored_cross_replica_updates_apply_as_given(strategy):
         assert_equal(v.read_value(), np.full(3, 2.0))
         v.assign([7.0, 8.0, 9.0])
         assert_equal(v.numpy(), [7.0, 8.0, 9.0])
-        out = strategy.update(v, lambda c, d: c.__imul__(d), md.Mirrored({strategy.rank: strategy.backend.asarray(2.0)}))
+        out = strategy.update(
+            v, lambda c, d: c.__imul__(d), md.Mirrored({strategy.rank: strategy.backend.asarray(2.0)})
+        )
         assert out is v.component
         assert_equal(strategy.read_var(v), [14.0, 16.0, 18.0])
         with pytest.raises(TypeError, match="PerReplica"):
@@ -219,11 +231,14 @@ def test_sync_on_read_local_updates_and_reduced_reads(strategy, agg):
             return v.read_value()
 
         local = strategy.run(step)
-        assert_equal(local.get() if isinstance(local, md.PerReplica) else local.component,
-                                      [r + 1.0, 0.5])
+        assert_equal(local.get() if isinstance(local, md.PerReplica) else local.component, [r + 1.0, 0.5])
         components = [np.array([q + 1.0, 0.5]) for q in range(n)]
-        want = {Agg.SUM: sum(components), Agg.NONE: sum(components), Agg.MEAN: sum(components) / n,
-                Agg.ONLY_FIRST_REPLICA: components[0]}[agg]
+        want = {
+            Agg.SUM: sum(components),
+            Agg.NONE: sum(components),
+            Agg.MEAN: sum(components) / n,
+            Agg.ONLY_FIRST_REPLICA: components[0],
+        }[agg]
         for _ in range(2):
             assert_close(v.read_value(), want)
             assert_close(v.numpy(), want)

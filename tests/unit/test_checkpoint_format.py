@@ -4,6 +4,7 @@ Checkpoints are written in this process by a one-rank strategy over COMM_SELF; t
 atomicity tests start real ``mpiexec`` jobs (tests/helpers/samples/checkpoint_save_job.py) and kill
 their ranks with SIGKILL in the middle of a save.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,15 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import mpidist
 from mpidist._checkpoint import format as fmt
-from mpidist._checkpoint.reader import Save, inspect
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
-from mpidist._tools.cli import main as cli
+from mpidist._checkpoint.reader import Save, inspect
 from mpidist._errors import CheckpointError, ChecksumError
+from mpidist._tools.cli import main as cli
 from mpirun import run_mpi
 from paths import SAMPLES
 
@@ -69,10 +69,14 @@ def make_checkpoint(strategy, path, block_bytes=32, **save_options):
     """Save EXPECTED (plus a Position at 7) into ``path``; returns the Checkpoint and the save's directory."""
     with strategy.scope():
         weights = mpidist.Variable(EXPECTED["weights"], name="weights")
-        counter = mpidist.Variable(EXPECTED["counter"], name="counter", synchronization="on_read",
-                                   aggregation="sum")
-    checkpoint = Checkpoint(weights=weights, counter=counter, table=EXPECTED["table"].copy(),
-                            empty=EXPECTED["empty"].copy(), position=Position(7))
+        counter = mpidist.Variable(EXPECTED["counter"], name="counter", synchronization="on_read", aggregation="sum")
+    checkpoint = Checkpoint(
+        weights=weights,
+        counter=counter,
+        table=EXPECTED["table"].copy(),
+        empty=EXPECTED["empty"].copy(),
+        position=Position(7),
+    )
     return checkpoint, Path(checkpoint.save(path, block_bytes=block_bytes, **save_options))
 
 
@@ -90,10 +94,14 @@ def data_file(save_dir, name):
 
 
 # -- work split ------------------------------------------------------------------------------
-@given(sizes=st.lists(st.integers(0, 3000), max_size=7), nranks=st.integers(1, 9),
-       block=st.sampled_from([1, 8, 64, 1000]), alone=st.lists(st.booleans(), min_size=7, max_size=7))
+@given(
+    sizes=st.lists(st.integers(0, 3000), max_size=7),
+    nranks=st.integers(1, 9),
+    block=st.sampled_from([1, 8, 64, 1000]),
+    alone=st.lists(st.booleans(), min_size=7, max_size=7),
+)
 def test_share_ranges_cover_each_entry_in_rank_order_and_balance(sizes, nranks, block, alone):
-    alone = alone[:len(sizes)]
+    alone = alone[: len(sizes)]
     ranges = fmt.share_ranges(sizes, nranks, block, rank0_only=alone)
     assert len(ranges) == len(sizes)
     per_rank = [0] * nranks
@@ -137,9 +145,9 @@ def test_files_are_plain_npy_and_the_manifest_plain_json(strategy, tmp_path):
         loaded = np.load(path, allow_pickle=False)
         np.testing.assert_array_equal(loaded, value)
         assert loaded.dtype == value.dtype
-        data = path.read_bytes()[entries[name]["data_offset"]:]
+        data = path.read_bytes()[entries[name]["data_offset"] :]
         block = manifest["chunk_bytes"]  # the on-disk key names of format 1, kept for every reader
-        assert entries[name]["chunk_crc32"] == [zlib.crc32(data[i:i + block]) for i in range(0, len(data), block)]
+        assert entries[name]["chunk_crc32"] == [zlib.crc32(data[i : i + block]) for i in range(0, len(data), block)]
 
 
 def test_save_accepts_the_former_name_of_block_bytes(strategy, tmp_path):
@@ -369,8 +377,21 @@ def test_inspect_lists_names_shapes_dtypes_world_size_and_verifies(strategy, tmp
     assert cli(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert "on 1 rank;" in out and "every checksum matches" in out
-    for text in ("weights", "mirrored", "(3, 5)", "float32", "counter", "sync_on_read", "sum", "int64",
-                 "table", "(2, 3, 2)", "int16", "position", '"position": 7'):
+    for text in (
+        "weights",
+        "mirrored",
+        "(3, 5)",
+        "float32",
+        "counter",
+        "sync_on_read",
+        "sum",
+        "int64",
+        "table",
+        "(2, 3, 2)",
+        "int16",
+        "position",
+        '"position": 7',
+    ):
         assert text in out, text
     assert cli(["checkpoint", "inspect", "--json", "--no-verify", str(tmp_path / "ckpt")]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -401,8 +422,9 @@ def test_python_m_mpidist_checkpoint_inspect(strategy, tmp_path):
     bad = subprocess.run([*run, str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=TIMEOUT)
     assert bad.returncode == 1 and str(path) in bad.stdout
     for argv in (["--help"], ["checkpoint", "--help"], ["checkpoint", "inspect", "--help"]):
-        shown = subprocess.run([sys.executable, "-m", "mpidist", *argv], capture_output=True, text=True,
-                               timeout=TIMEOUT)
+        shown = subprocess.run(
+            [sys.executable, "-m", "mpidist", *argv], capture_output=True, text=True, timeout=TIMEOUT
+        )
         assert shown.returncode == 0 and "usage: python -m mpidist" in shown.stdout
 
 
@@ -439,8 +461,9 @@ def test_saves_killed_from_outside_at_any_moment_leave_a_verified_checkpoint(tmp
     path = tmp_path / "ckpt"
     pids = Path(str(path) + ".pids")
     outcome = {}
-    job = threading.Thread(target=lambda: outcome.update(
-        result=run_mpi(2, [sys.executable, str(JOB), str(path), "loop"], timeout=TIMEOUT)))
+    job = threading.Thread(
+        target=lambda: outcome.update(result=run_mpi(2, [sys.executable, str(JOB), str(path), "loop"], timeout=TIMEOUT))
+    )
     job.start()
     deadline = time.monotonic() + TIMEOUT / 2
     # wait until save 2 or later is being written, then kill both ranks at once

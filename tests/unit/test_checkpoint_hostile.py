@@ -7,6 +7,7 @@ clean ``CheckpointError`` (or ``FileNotFoundError``), and ``checkpoint inspect``
 ``MemoryError``. Random mutations of a real manifest (with its CRC-32 recomputed, so that the
 checks behind the checksum are reached) come from a fixed seed, so a failure repeats.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,6 @@ import pytest
 import mpidist
 from mpidist._checkpoint import format as fmt
 from mpidist._checkpoint.checkpoint import Checkpoint
-
 from paths import SAMPLES
 
 JOB = SAMPLES / "checkpoint_read_job.py"
@@ -54,8 +54,9 @@ def base(tmp_path_factory) -> Path:
             weights = mpidist.Variable(np.arange(24, dtype=np.float32).reshape(4, 6), name="weights")
             total = mpidist.Variable(np.arange(3.0), synchronization="on_read", aggregation="sum")
         root = tmp_path_factory.mktemp("base") / "ckpt"
-        Checkpoint(weights=weights, total=total, table=np.arange(5, dtype=np.int16),
-                   position=Position()).save(root, block_bytes=32)
+        Checkpoint(weights=weights, total=total, table=np.arange(5, dtype=np.int16), position=Position()).save(
+            root, block_bytes=32
+        )
     finally:
         strategy.free()
     return root
@@ -90,8 +91,12 @@ def data_path(root: Path, name: str) -> Path:
 
 
 def read_in_subprocess(paths: list[Path]) -> list[dict]:
-    result = subprocess.run([sys.executable, str(JOB), str(MEMORY_LIMIT), *map(str, paths)],
-                            capture_output=True, text=True, timeout=DEADLINE)
+    result = subprocess.run(
+        [sys.executable, str(JOB), str(MEMORY_LIMIT), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stdout + result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["path"] for line in lines] == list(map(str, paths))
@@ -151,27 +156,29 @@ def save_linked_outside(root: Path) -> None:
 
 # -- manifests that ask for too much ---------------------------------------------------------
 def huge_data_offset(root: Path) -> None:
-    rewrite(root, lambda m: entry(m, "table").update(data_offset=2 ** 32 - 1))
+    rewrite(root, lambda m: entry(m, "table").update(data_offset=2**32 - 1))
 
 
 def five_huge_data_offsets(root: Path) -> None:
     def change(m: dict) -> None:
         template = entry(m, "table")
-        m["entries"] += [{**template, "name": f"big{i}", "file": f"{90 + i:04d}-big.npy", "data_offset": 2 ** 32 - 1}
-                         for i in range(5)]
+        m["entries"] += [
+            {**template, "name": f"big{i}", "file": f"{90 + i:04d}-big.npy", "data_offset": 2**32 - 1} for i in range(5)
+        ]
+
     rewrite(root, change)
 
 
 def dimension_of_two_to_the_64(root: Path) -> None:
-    rewrite(root, lambda m: entry(m, "table").update(shape=[2 ** 64], nbytes=2 ** 65))
+    rewrite(root, lambda m: entry(m, "table").update(shape=[2**64], nbytes=2**65))
 
 
 def product_overflows_int64(root: Path) -> None:  # 2^32 * 2^32 * 2 wraps to 0 in int64
-    rewrite(root, lambda m: entry(m, "table").update(shape=[2 ** 32, 2 ** 32, 2], nbytes=0, chunk_crc32=[]))
+    rewrite(root, lambda m: entry(m, "table").update(shape=[2**32, 2**32, 2], nbytes=0, chunk_crc32=[]))
 
 
 def wrapped_negative_size(root: Path) -> None:
-    rewrite(root, lambda m: entry(m, "table").update(nbytes=2 ** 64 - 10))
+    rewrite(root, lambda m: entry(m, "table").update(nbytes=2**64 - 10))
 
 
 def negative_size(root: Path) -> None:
@@ -179,9 +186,15 @@ def negative_size(root: Path) -> None:
 
 
 def one_tebibyte_declared(root: Path) -> None:
-    rewrite(root, lambda m: (m.update(chunk_bytes=2 ** 40),  # the on-disk key names of format 1
-                             entry(m, "table").update(shape=[2 ** 39], nbytes=2 ** 40, chunk_crc32=[0]),
-                             entry(m, "weights").update(chunk_crc32=[0]), entry(m, "total").update(chunk_crc32=[0])))
+    rewrite(
+        root,
+        lambda m: (
+            m.update(chunk_bytes=2**40),  # the on-disk key names of format 1
+            entry(m, "table").update(shape=[2**39], nbytes=2**40, chunk_crc32=[0]),
+            entry(m, "weights").update(chunk_crc32=[0]),
+            entry(m, "total").update(chunk_crc32=[0]),
+        ),
+    )
 
 
 def non_string_aggregation(root: Path) -> None:
@@ -209,8 +222,9 @@ def nested_a_hundred_deep(root: Path) -> None:
 
 def nested_beyond_the_json_parser(root: Path) -> None:  # cannot carry a CRC: the text alone is hostile
     text = (save_dir(root) / fmt.MANIFEST).read_text()
-    (save_dir(root) / fmt.MANIFEST).write_text(text.replace('"order": [', '"order": ' + "[" * 200_000 + "]" * 200_000
-                                                            + ", \"x\": [", 1))
+    (save_dir(root) / fmt.MANIFEST).write_text(
+        text.replace('"order": [', '"order": ' + "[" * 200_000 + "]" * 200_000 + ', "x": [', 1)
+    )
 
 
 def manifest_too_large(root: Path) -> None:
@@ -230,12 +244,31 @@ def manifest_is_a_list(root: Path) -> None:
     (save_dir(root) / fmt.MANIFEST).write_text("[1, 2, 3]")
 
 
-CASES = [fifo_data_file, directory_data_file, data_file_linked_outside, manifest_linked_outside,
-         manifest_is_a_fifo, save_linked_outside, huge_data_offset, five_huge_data_offsets,
-         dimension_of_two_to_the_64, product_overflows_int64, wrapped_negative_size, negative_size,
-         one_tebibyte_declared, non_string_aggregation, unknown_aggregation, object_dtype, structured_dtype,
-         nested_a_hundred_deep, nested_beyond_the_json_parser, manifest_too_large, two_entries_one_file,
-         entries_not_a_list, manifest_is_a_list]
+CASES = [
+    fifo_data_file,
+    directory_data_file,
+    data_file_linked_outside,
+    manifest_linked_outside,
+    manifest_is_a_fifo,
+    save_linked_outside,
+    huge_data_offset,
+    five_huge_data_offsets,
+    dimension_of_two_to_the_64,
+    product_overflows_int64,
+    wrapped_negative_size,
+    negative_size,
+    one_tebibyte_declared,
+    non_string_aggregation,
+    unknown_aggregation,
+    object_dtype,
+    structured_dtype,
+    nested_a_hundred_deep,
+    nested_beyond_the_json_parser,
+    manifest_too_large,
+    two_entries_one_file,
+    entries_not_a_list,
+    manifest_is_a_list,
+]
 
 
 def test_every_crafted_save_is_refused_cleanly(base, tmp_path):
@@ -250,9 +283,19 @@ def test_every_crafted_save_is_refused_cleanly(base, tmp_path):
     by_case = dict(zip((c.__name__ for c in CASES), lines))
     # damage (sizes) is 1, everything a reader refuses to use is 3
     assert by_case["one_tebibyte_declared"]["inspect"]["status"] == 1
-    for name in ("fifo_data_file", "directory_data_file", "data_file_linked_outside", "manifest_linked_outside",
-                 "manifest_is_a_fifo", "save_linked_outside", "huge_data_offset", "dimension_of_two_to_the_64",
-                 "non_string_aggregation", "nested_beyond_the_json_parser", "manifest_too_large"):
+    for name in (
+        "fifo_data_file",
+        "directory_data_file",
+        "data_file_linked_outside",
+        "manifest_linked_outside",
+        "manifest_is_a_fifo",
+        "save_linked_outside",
+        "huge_data_offset",
+        "dimension_of_two_to_the_64",
+        "non_string_aggregation",
+        "nested_beyond_the_json_parser",
+        "manifest_too_large",
+    ):
         assert by_case[name]["inspect"]["status"] == 3, by_case[name]
         assert by_case[name]["read"] == "CheckpointError", by_case[name]
     fifo = by_case["fifo_data_file"]["inspect"]["output"]
@@ -283,8 +326,32 @@ def test_the_path_given_may_be_a_symbolic_link(base, tmp_path):
 
 
 # -- random mutations ------------------------------------------------------------------------
-HOSTILE_VALUES = [None, True, -1, 0, 1, 2 ** 31, 2 ** 32 - 1, 2 ** 63, 2 ** 64 + 1, -2 ** 63, 1.5, float("inf"),
-                  "", "x", "<f8", "|O", "<V8", "../../etc/passwd", "a" * 5000, [], [0] * 3, [-1], {}, {"a": [1]}]
+HOSTILE_VALUES = [
+    None,
+    True,
+    -1,
+    0,
+    1,
+    2**31,
+    2**32 - 1,
+    2**63,
+    2**64 + 1,
+    -(2**63),
+    1.5,
+    float("inf"),
+    "",
+    "x",
+    "<f8",
+    "|O",
+    "<V8",
+    "../../etc/passwd",
+    "a" * 5000,
+    [],
+    [0] * 3,
+    [-1],
+    {},
+    {"a": [1]},
+]
 
 
 def paths_in(value: Any, prefix: tuple = ()) -> list[tuple]:

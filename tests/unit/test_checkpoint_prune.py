@@ -5,6 +5,7 @@ keep=1 and kills itself at the N-th rename, unlink or rmdir of the removal of sa
 of a leftover. Whatever N, every listed save must be complete and hold its own values, and
 the next save removes every leftover.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -18,7 +19,6 @@ import mpidist
 from mpidist._checkpoint import format as fmt
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._checkpoint.reader import Save, inspect
-
 from paths import SAMPLES
 
 JOB = SAMPLES / "checkpoint_prune_job.py"
@@ -44,8 +44,9 @@ def test_a_removal_killed_at_any_step_lists_only_complete_saves(tmp_path):
     outcomes = []
     for kill_at in range(40):
         path = tmp_path / f"kill{kill_at}"
-        result = subprocess.run([sys.executable, str(JOB), str(path), str(kill_at)], capture_output=True, text=True,
-                                timeout=TIMEOUT)
+        result = subprocess.run(
+            [sys.executable, str(JOB), str(path), str(kill_at)], capture_output=True, text=True, timeout=TIMEOUT
+        )
         assert result.returncode in (-9, 3), result.stderr
         found = assert_listing_consistent(path)
         assert found[-1] == 4 and set(found) <= {1, 2, 3, 4}, found

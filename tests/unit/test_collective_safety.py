@@ -8,6 +8,7 @@ a rank that stays away is named when the deadline passes; a rank that leaves
 is named at once. Expected texts derive from the rank and the size; time
 bounds are the job's subprocess timeout and the elapsed time each rank reports.
 """
+
 import os
 import sys
 from pathlib import Path
@@ -68,9 +69,13 @@ def test_a_bad_argument_on_one_rank_is_an_error_on_every_rank(n, tmp_path):
 def test_mismatches_are_errors_on_every_rank_naming_both_sides(n, tmp_path):
     seen = launch(n, "mismatch", tmp_path)
     others = f"ranks 0-{n - 2}" if n > 2 else "rank 0"
-    words = {"shape": ("float64[2]", "float64[3]"), "different_variable": ("'a'", "'b'"),
-             "variable_name": ("'weights'", "'bias'"), "empty_nest": ("2 arrays", "0 arrays"),
-             "reduce_scatter_counts_differ": ("counts",)}
+    words = {
+        "shape": ("float64[2]", "float64[3]"),
+        "different_variable": ("'a'", "'b'"),
+        "variable_name": ("'weights'", "'bias'"),
+        "empty_nest": ("2 arrays", "0 arrays"),
+        "reduce_scatter_counts_differ": ("counts",),
+    }
     for r in range(n):
         for case, expected in words.items():
             seconds, outcome = seen[r][case]

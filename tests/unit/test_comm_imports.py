@@ -4,6 +4,7 @@ Edges are the module-level imports between modules of ``mpidist/_comm``
 (its subpackages included); imports under ``if TYPE_CHECKING:`` do not count,
 nor does a package's ``__init__`` that Python runs before a submodule.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,7 +26,8 @@ MODULES = {module_name(p): p for p in sorted(COMM.rglob("*.py"))}
 
 def _type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def module_imports(path: Path) -> set[str]:
@@ -47,7 +49,7 @@ def module_imports(path: Path) -> set[str]:
                 base = node.module or ""
                 if node.level:  # relative: from the package, up level - 1 packages
                     parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
                 found.add(base)
                 found.update(f"{base}.{alias.name}" for alias in node.names)  # `from package import module`
 
@@ -65,7 +67,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -89,12 +91,15 @@ def test_the_comm_layer_has_no_import_circle():
     assert not cycle, "import circle in the comm layer: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("graph, cycle", [
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
-    ({"a": {"a"}}, ["a", "a"]),
-    ({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"e"}, "e": {"d"}}, ["d", "e", "d"]),
-])
+@pytest.mark.parametrize(
+    "graph, cycle",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+        ({"a": {"a"}}, ["a", "a"]),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"e"}, "e": {"d"}}, ["d", "e", "d"]),
+    ],
+)
 def test_find_cycle(graph, cycle):
     assert find_cycle(graph) == cycle
 

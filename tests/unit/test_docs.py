@@ -5,6 +5,7 @@ class, without a docstring fails here. The build runs ``sphinx-build -W`` (warni
 errors) into a temporary folder; it is skipped only where Sphinx is not installed (the
 ``docs`` extra; ``python3 tests/run.py`` installs it).
 """
+
 from __future__ import annotations
 
 import enum
@@ -16,7 +17,6 @@ import sys
 import pytest
 
 import mpidist
-
 from paths import REPO
 
 DOCS = REPO / "docs"
@@ -42,7 +42,12 @@ def _undocumented_members(cls):
     missing = []
     in_class_doc = {name for name, _ in _attributes_section(cls)}
     for name, member in vars(cls).items():
-        if name in in_class_doc or name.startswith("_") or isinstance(member, enum.Enum) or (issubclass(cls, enum.Enum) and name in cls.__members__):
+        if (
+            name in in_class_doc
+            or name.startswith("_")
+            or isinstance(member, enum.Enum)
+            or (issubclass(cls, enum.Enum) and name in cls.__members__)
+        ):
             continue
         target = member.fget if isinstance(member, property) else member
         if isinstance(target, (staticmethod, classmethod)):
@@ -84,9 +89,24 @@ def test_docs_build_without_warnings(tmp_path):
     pytest.importorskip("sphinx", reason="Sphinx is not installed (pip install -e '.[docs]')")
     pytest.importorskip("myst_parser", reason="myst-parser is not installed (pip install -e '.[docs]')")
     result = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-d", str(tmp_path / "doctrees"),
-         str(DOCS), str(tmp_path / "html")],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            str(DOCS),
+            str(tmp_path / "html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, f"sphinx-build -W failed:\n{result.stdout}\n{result.stderr}"
     api = (tmp_path / "html" / "api.html").read_text()
     for name in _public_names():

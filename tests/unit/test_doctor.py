@@ -3,6 +3,7 @@
 Serial tests: :func:`diagnose` and :func:`format_report` on made-up reports; the doctor itself
 under a real ``mpiexec`` (``tests/helpers/mpirun.py``), at 3 ranks and with a wrong ``--expect-ranks``.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,28 +13,54 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from mpidist._tools import doctor as _doctor
 from mpidist._comm import topology as _topology
+from mpidist._tools import doctor as _doctor
 from mpirun import run_mpi
 
 TIMEOUT = 60
 
 
 def _rank(rank, host="n1", local=0, size=2, cores=(0, 1, 2, 3), threads=None, gpu=None, slurm=None):
-    return {"rank": rank, "host": host, "pid": 100 + rank, "local_rank": local, "local_size": size,
-            "cores": list(cores), "node_cores": 4, "threads": threads, "launcher": "mpiexec (Open MPI)",
-            "slurm": slurm or {}, "cuda_visible_devices": None, "nvidia_devices": False,
-            "backend": "cupy" if gpu else "numpy", "gpu": gpu}
+    return {
+        "rank": rank,
+        "host": host,
+        "pid": 100 + rank,
+        "local_rank": local,
+        "local_size": size,
+        "cores": list(cores),
+        "node_cores": 4,
+        "threads": threads,
+        "launcher": "mpiexec (Open MPI)",
+        "slurm": slurm or {},
+        "cuda_visible_devices": None,
+        "nvidia_devices": False,
+        "backend": "cupy" if gpu else "numpy",
+        "gpu": gpu,
+    }
 
 
 def _report(ranks, launcher="mpiexec (Open MPI)", nodes=1):
-    return {"world_size": len(ranks), "num_nodes": nodes, "launcher": launcher,
-            "mpi": {"library": "Open MPI v5.0.11", "standard": "3.1", "mpi4py": "4.1.2", "libmpi": ["/x/libmpi.so.40"],
-                    "libmpi_in_environment": True, "mpi4py_libmpi": None, "thread_level": "multiple",
-                    "cuda_claim": False},
-            "versions": {"mpidist": "0.1.0", "python": "3.11.7", "numpy": "2.0"},
-            "cuda_aware_setting": "auto", "cuda_aware": None, "nccl": "not available (CuPy is not installed)",
-            "library_warnings": [], "ranks": ranks}
+    return {
+        "world_size": len(ranks),
+        "num_nodes": nodes,
+        "launcher": launcher,
+        "mpi": {
+            "library": "Open MPI v5.0.11",
+            "standard": "3.1",
+            "mpi4py": "4.1.2",
+            "libmpi": ["/x/libmpi.so.40"],
+            "libmpi_in_environment": True,
+            "mpi4py_libmpi": None,
+            "thread_level": "multiple",
+            "cuda_claim": False,
+        },
+        "versions": {"mpidist": "0.1.0", "python": "3.11.7", "numpy": "2.0"},
+        "cuda_aware_setting": "auto",
+        "cuda_aware": None,
+        "nccl": "not available (CuPy is not installed)",
+        "library_warnings": [],
+        "ranks": ranks,
+    }
 
 
 def _gpu(device, bus):
@@ -59,25 +86,29 @@ def test_one_rank_worlds_under_srun_are_named_with_the_fix():
 
 def test_more_ranks_or_threads_than_cores_is_oversubscribed():
     three = [_rank(r, local=r, size=3, cores=(0, 1)) for r in range(3)]
-    (warning, fix), = _doctor.diagnose(_report(three))
+    ((warning, fix),) = _doctor.diagnose(_report(three))
     assert "oversubscribed: 3 ranks on 2 cores (0-1)" in warning and "--cpus-per-task" in fix
     threads = [_rank(r, local=r, cores=(0, 1, 2, 3), threads=4) for r in range(2)]
-    (warning, _), = _doctor.diagnose(_report(threads))
+    ((warning, _),) = _doctor.diagnose(_report(threads))
     assert "2 ranks x 4 threads on 4 cores" in warning
 
 
 def test_ranks_bound_to_the_same_core_while_others_idle():
     ranks = [_rank(0, cores=(0,)), _rank(1, local=1, cores=(0,)), _rank(2, local=2, size=3, cores=(1, 2, 3))]
-    (warning, fix), = _doctor.diagnose(_report(ranks))
+    ((warning, fix),) = _doctor.diagnose(_report(ranks))
     assert "ranks 0-1 are bound to overlapping cores" in warning and "--cpu-bind=cores" in fix
 
 
 def test_ranks_sharing_a_gpu_are_named_per_node():
-    ranks = [_rank(0, gpu=_gpu(0, "0000:01:00.0")), _rank(1, local=1, gpu=_gpu(0, "0000:01:00.0")),
-             _rank(2, host="n2", gpu=_gpu(0, "0000:01:00.0")), _rank(3, host="n2", local=1, gpu=_gpu(1, "0000:02:00.0"))]
+    ranks = [
+        _rank(0, gpu=_gpu(0, "0000:01:00.0")),
+        _rank(1, local=1, gpu=_gpu(0, "0000:01:00.0")),
+        _rank(2, host="n2", gpu=_gpu(0, "0000:01:00.0")),
+        _rank(3, host="n2", local=1, gpu=_gpu(1, "0000:02:00.0")),
+    ]
     report = _report(ranks, nodes=2)
     report["cuda_aware"] = False
-    (warning, fix), = _doctor.diagnose(report)
+    ((warning, fix),) = _doctor.diagnose(report)
     assert warning == "on node n1, ranks 0-1 share the GPU at 0000:01:00.0"
     assert "--gpus-per-task=1" in fix
     text = _doctor.format_report(report, _doctor.diagnose(report))
@@ -89,7 +120,7 @@ def test_cpu_ranks_on_a_node_with_nvidia_devices_get_a_hint():
     rank = _rank(0, size=1)
     rank["nvidia_devices"] = True
     report = _report([rank])
-    (warning, fix), = _doctor.diagnose(report)
+    ((warning, fix),) = _doctor.diagnose(report)
     assert "has NVIDIA devices" in warning and "mpidist[cuda12]" in fix
     report["requested_device"] = "cpu"
     assert _doctor.diagnose(report) == []

@@ -3,6 +3,7 @@ number of ranks, resumes from its checkpoints, and explains every option.
 
 Each run is a real ``mpiexec`` job (``tests/helpers/mpirun.py``); the whole file takes a few seconds.
 """
+
 from __future__ import annotations
 
 import re
@@ -41,9 +42,21 @@ def test_help_explains_every_option(capsys):
         train_digits.parse_args(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--epochs", "--global-batch-size", "--learning-rate", "--hidden", "--seed", "--test-fraction",
-                   "--checkpoint-dir", "--no-checkpoint", "--resume", "--progress", "--device", "--data",
-                   "--min-accuracy"):
+    for option in (
+        "--epochs",
+        "--global-batch-size",
+        "--learning-rate",
+        "--hidden",
+        "--seed",
+        "--test-fraction",
+        "--checkpoint-dir",
+        "--no-checkpoint",
+        "--resume",
+        "--progress",
+        "--device",
+        "--data",
+        "--min-accuracy",
+    ):
         assert re.search(rf"^\s+{option}\b.*\n?.*\S", text, re.M), f"{option} is not explained"
 
 

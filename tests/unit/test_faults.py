@@ -4,6 +4,7 @@ Each test launches ``tests/helpers/samples/fault_job.py`` as its own MPI job, un
 timeout, with a plain ``mpiexec -n N python script.py`` (no ``-m mpi4py``), so
 what is checked is mpidist's own behaviour.
 """
+
 import os
 import re
 import sys

@@ -4,6 +4,7 @@
 the shared launch logic of ``jobs/launch.sh`` (the world-size check, the env files), the
 one-rank-per-GPU layout of each batch script, and ``jobs/mpirun.sh`` under the MPI of this environment.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,9 @@ def _directives(script: Path) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("script", [*BATCH, JOBS / "mpirun.sh", JOBS / "launch.sh", *sorted(CLUSTER.glob("*.sh"))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "script", [*BATCH, JOBS / "mpirun.sh", JOBS / "launch.sh", *sorted(CLUSTER.glob("*.sh"))], ids=lambda p: p.name
+)
 def test_shell_syntax(script):
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
@@ -63,15 +65,20 @@ def test_bash_and_python_read_the_env_file_alike(mpi):
     path = JOBS / f"env.{mpi}"
     expected = read_env_file(path)
     clean = {k: v for k, v in os.environ.items() if k not in expected}
-    script = f'source {JOBS / "launch.sh"}; load_mpi_env {mpi}; env -0'
+    script = f"source {JOBS / 'launch.sh'}; load_mpi_env {mpi}; env -0"
     result = subprocess.run(["bash", "-c", script], env=clean, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     env = dict(item.split("=", 1) for item in result.stdout.split("\0") if "=" in item)
     assert {k: env.get(k) for k in expected} == expected
     if mpi == "openmpi":
         assert expected["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and expected["OMPI_MCA_btl"] == "^ofi"
-        kept = subprocess.run(["bash", "-c", script], env={**clean, "OMPI_MCA_btl": "tcp,self"},
-                              capture_output=True, text=True, timeout=TIMEOUT).stdout
+        kept = subprocess.run(
+            ["bash", "-c", script],
+            env={**clean, "OMPI_MCA_btl": "tcp,self"},
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        ).stdout
         assert "OMPI_MCA_btl=tcp,self\0" in kept  # a variable already set keeps its value
 
 
@@ -83,15 +90,19 @@ def test_gpu_scripts_run_one_rank_per_gpu(name):
 
 
 def test_mpirun_sh_help():
-    result = subprocess.run(["bash", str(JOBS / "mpirun.sh"), "--help"], capture_output=True, text=True,
-                            timeout=TIMEOUT)
+    result = subprocess.run(
+        ["bash", str(JOBS / "mpirun.sh"), "--help"], capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert result.returncode == 0 and "mpiexec" in result.stdout and "env.openmpi" in result.stdout
 
 
 def test_mpirun_sh_finds_the_mpiexec_next_to_python():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_", "MPIEXEC", "MPIDIST_MPIEXEC"))}
     env["PATH"] = "/usr/bin:/bin"  # no mpiexec on PATH: it must be found next to the interpreter
-    result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", "2", sys.executable, "-m", "mpidist", "doctor",
-                          "--expect-ranks", "2"], TIMEOUT, env=env)
+    result = run_command(
+        ["bash", str(JOBS / "mpirun.sh"), "-n", "2", sys.executable, "-m", "mpidist", "doctor", "--expect-ranks", "2"],
+        TIMEOUT,
+        env=env,
+    )
     assert result.returncode == 0, result.describe()
     assert "mpidist doctor: 2 ranks on 1 node" in result.stdout, result.describe()

@@ -4,6 +4,7 @@ The jobs run pytest files from ``tests/helpers/samples/``, which normal runs do 
 names do not match ``test_*.py`` and ``setup.cfg`` lists ``helpers`` in ``norecursedirs``);
 some of them fail on purpose. These tests are serial: each starts its own ``mpiexec``.
 """
+
 import os
 import sys
 import uuid

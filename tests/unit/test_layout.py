@@ -3,6 +3,7 @@
 Serial, by reading the source (no imports are executed): every import of a module counts,
 also those inside functions; only ``if TYPE_CHECKING:`` blocks are skipped.
 """
+
 import ast
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def test_layers_import_only_downwards_and_no_private_names_across_subpackages(pa
             continue
         theirs = module.split(".")[1]
         theirs = theirs if theirs in LAYERS else "_top"
-        assert LAYERS.index(theirs) <= LAYERS.index(mine), f"{path.relative_to(PACKAGE)} imports {module} (a higher layer)"
+        assert LAYERS.index(theirs) <= LAYERS.index(mine), (
+            f"{path.relative_to(PACKAGE)} imports {module} (a higher layer)"
+        )
         if theirs != mine and theirs != "_top":
             private = [n for n in names if n.startswith("_")]
             assert not private, f"{path.relative_to(PACKAGE)} imports private {private} from {module}"
@@ -67,8 +70,9 @@ def test_layers_import_only_downwards_and_no_private_names_across_subpackages(pa
 def test_values_need_no_mpi_and_nothing_above_them():
     imported = [m for m, _ in imports(PACKAGE / "_values" / "values.py")]
     assert all(m.split(".")[0] != "mpi4py" for m in imported), imported
-    assert not [m for m in imported if m.startswith("mpidist.") and m not in
-                ("mpidist._values.nest", "mpidist._errors")], imported
+    assert not [
+        m for m in imported if m.startswith("mpidist.") and m not in ("mpidist._values.nest", "mpidist._errors")
+    ], imported
 
 
 def test_input_needs_no_strategy_not_even_for_types():
@@ -94,8 +98,9 @@ def defined_private_names(tree: ast.AST) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(t.id for t in targets if isinstance(t, ast.Name))
             if any(isinstance(t, ast.Name) and t.id == "__slots__" for t in targets) and node.value is not None:
-                names.update(e.value for e in ast.walk(node.value)
-                             if isinstance(e, ast.Constant) and isinstance(e.value, str))
+                names.update(
+                    e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                )
     return {n for n in names if n.startswith("_")}
 
 
@@ -129,8 +134,10 @@ def test_no_module_reads_another_objects_underscore_attributes(path):
 
 
 def test_the_private_check_catches_a_variables_component():
-    source = ("class A:\n    __slots__ = ('_s',)\n    _y = 1\n    def __init__(self):\n        self._x = 0\n"
-              "    def f(self, v, other):\n"
-              "        return (self._x, A._y, other._s, super()._f, v.__class__, type(v)._fields,\n"
-              "                v._component, np._w)\n    def _f(self):\n        pass\n")
+    source = (
+        "class A:\n    __slots__ = ('_s',)\n    _y = 1\n    def __init__(self):\n        self._x = 0\n"
+        "    def f(self, v, other):\n"
+        "        return (self._x, A._y, other._s, super()._f, v.__class__, type(v)._fields,\n"
+        "                v._component, np._w)\n    def _f(self):\n        pass\n"
+    )
     assert foreign_private_attributes(source) == ["8: v._component", "8: np._w"]

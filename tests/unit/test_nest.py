@@ -1,4 +1,5 @@
 """Serial tests of mpidist._values.nest (no MPI)."""
+
 from collections import OrderedDict, defaultdict, namedtuple
 
 import numpy as np

@@ -1,4 +1,5 @@
 """Serial tests of options, reduce ops, error formatting and backend selection."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,25 +18,31 @@ def test_options_precedence_keyword_over_environment_over_default():
     assert Options.resolve(env={"MPIDIST_TIMEOUT": "off"}).timeout is None
 
 
-@pytest.mark.parametrize("kwargs, text", [
-    ({"timeout": -1}, "timeout must be a positive"),
-    ({"piece_bytes": 10}, "piece_bytes must be at least 1024"),
-    ({"device": "tpu"}, "expected one of auto, cpu, gpu"),
-    ({"cuda_aware": "maybe"}, "expected one of auto, 1, 0"),
-    ({"colour": 1}, "unknown mpidist option"),
-])
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        ({"timeout": -1}, "timeout must be a positive"),
+        ({"piece_bytes": 10}, "piece_bytes must be at least 1024"),
+        ({"device": "tpu"}, "expected one of auto, cpu, gpu"),
+        ({"cuda_aware": "maybe"}, "expected one of auto, 1, 0"),
+        ({"colour": 1}, "unknown mpidist option"),
+    ],
+)
 def test_options_reject_bad_values(kwargs, text):
     with pytest.raises(ValueError, match=text):
         Options.resolve(env={}, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, text", [
-    ({"timeout": True}, "option timeout must be a number of seconds or None, got True"),
-    ({"piece_bytes": 2.5e6}, "option piece_bytes must be an integer"),
-    ({"check_collectives": "no"}, "option check_collectives must be True or False, got 'no'"),
-    ({"node_size": 2.0}, "option node_size must be an integer"),
-    ({"hierarchical": 1}, "option hierarchical must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, text",
+    [
+        ({"timeout": True}, "option timeout must be a number of seconds or None, got True"),
+        ({"piece_bytes": 2.5e6}, "option piece_bytes must be an integer"),
+        ({"check_collectives": "no"}, "option check_collectives must be True or False, got 'no'"),
+        ({"node_size": 2.0}, "option node_size must be an integer"),
+        ({"hierarchical": 1}, "option hierarchical must be True or False"),
+    ],
+)
 def test_options_of_the_wrong_type_raise_type_error_naming_the_option(kwargs, text):
     with pytest.raises(TypeError, match=text):
         Options.resolve(env={}, **kwargs)
@@ -71,9 +78,16 @@ def test_default_deadline_is_finite_and_zero_turns_it_off():
 
 
 def test_misspelt_environment_variables_warn_once_with_the_closest_option(recwarn):
-    env = {"MPIDIST_TIMEOUTS": "3", "MPIDIST_TEST_DEVICE": "standin", "MPIDIST_SLURM_CPUS": "2",
-           "MPIDIST_LAUNCHER": "srun", "MPIDIST_SRUN_MPI": "pmix", "MPIDIST_VENV": "/x", "MPIDIST_MPIEXEC": "mpiexec",
-           "MPIDIST_CHECK_FINITE": "1"}
+    env = {
+        "MPIDIST_TIMEOUTS": "3",
+        "MPIDIST_TEST_DEVICE": "standin",
+        "MPIDIST_SLURM_CPUS": "2",
+        "MPIDIST_LAUNCHER": "srun",
+        "MPIDIST_SRUN_MPI": "pmix",
+        "MPIDIST_VENV": "/x",
+        "MPIDIST_MPIEXEC": "mpiexec",
+        "MPIDIST_CHECK_FINITE": "1",
+    }
     Options.resolve(env=env)
     Options.resolve(env=env)
     messages = [str(w.message) for w in recwarn.list if issubclass(w.category, UserWarning)]
@@ -98,9 +112,19 @@ def test_error_hierarchy():
     assert err.missing_ranks == (3, 1)
 
 
-@pytest.mark.parametrize("ranks, text", [([], ""), ([2], "2"), ([0, 1, 2, 5], "0-2, 5"), ([7, 3, 4], "3-4, 7"),
-                                         ([0, 2, 4, 6], "0-6:2"), ([1, 3], "1, 3"), (range(0, 10000, 2), "0-9998:2"),
-                                         ([r * r for r in range(30)], None)])
+@pytest.mark.parametrize(
+    "ranks, text",
+    [
+        ([], ""),
+        ([2], "2"),
+        ([0, 1, 2, 5], "0-2, 5"),
+        ([7, 3, 4], "3-4, 7"),
+        ([0, 2, 4, 6], "0-6:2"),
+        ([1, 3], "1, 3"),
+        (range(0, 10000, 2), "0-9998:2"),
+        ([r * r for r in range(30)], None),
+    ],
+)
 def test_format_ranks(ranks, text):
     if text is None:  # no pattern: the groups are capped and the rest counted
         assert format_ranks(ranks).endswith(f"... ({len(ranks)} ranks in all)") and len(format_ranks(ranks)) < 120
@@ -125,16 +149,20 @@ def test_gpu_request_without_a_gpu_says_what_to_install():
     assert Backend.select("auto").xp is np
 
 
-@pytest.mark.parametrize("size,chosen,mpi_started,expected", [
-    ("2", None, False, "1"),     # fewer than 4 ranks: the ring
-    ("3", None, False, "1"),
-    ("4", None, False, None),    # 4 ranks and more: Open MPI's own choice
-    ("", None, False, None),     # not launched by Open MPI
-    ("2", "3", False, "3"),      # the user's choice stays
-    ("2", None, True, None),     # MPI already started: too late to matter, nothing set
-])
-def test_open_mpi_nonblocking_allreduce_algorithm_is_chosen_before_mpi_starts(monkeypatch, size, chosen,
-                                                                              mpi_started, expected):
+@pytest.mark.parametrize(
+    "size,chosen,mpi_started,expected",
+    [
+        ("2", None, False, "1"),  # fewer than 4 ranks: the ring
+        ("3", None, False, "1"),
+        ("4", None, False, None),  # 4 ranks and more: Open MPI's own choice
+        ("", None, False, None),  # not launched by Open MPI
+        ("2", "3", False, "3"),  # the user's choice stays
+        ("2", None, True, None),  # MPI already started: too late to matter, nothing set
+    ],
+)
+def test_open_mpi_nonblocking_allreduce_algorithm_is_chosen_before_mpi_starts(
+    monkeypatch, size, chosen, mpi_started, expected
+):
     import os
     import sys
 

@@ -9,6 +9,7 @@
 :class:`Algorithms` builds the algorithms a communicator may use and answers,
 for each reduction, which one reduces it (:meth:`Algorithms.choose`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -32,7 +33,8 @@ class Algorithms:
     def __init__(self, transport: Transport, topology: Topology) -> None:
         self.flat = Flat(transport)
         self.hierarchical: Optional[Hierarchical] = (
-            Hierarchical(transport, topology) if transport.options.hierarchical else None)
+            Hierarchical(transport, topology) if transport.options.hierarchical else None
+        )
 
     def choose(self, nbytes: int) -> Reduction:
         """Local: the algorithm that reduces ``nbytes`` bytes, which every rank agreed on.

@@ -16,6 +16,7 @@ a later compression) belongs to this template, as a stage around the hook, so
 that every algorithm can use it. The layers above choose the algorithm for a
 call with :meth:`~mpidist._comm.algorithms.Algorithms.choose`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -83,7 +84,8 @@ class Reduction:
         """Collective, at two ranks or more: :meth:`reduce`'s work."""
         raise NotImplementedError
 
-    def start_implementation(self, what: str, pieces: Sequence[Piece],
-                             mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
+    def start_implementation(
+        self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op
+    ) -> tuple[list[MPI.Request], Completion]:
         """Collective, at two ranks or more: :meth:`start`'s work."""
         raise NotImplementedError

@@ -3,6 +3,7 @@
 The default algorithm, and the fastest on one node: the library's own
 allreduce (ring, recursive doubling, shared-memory) is tuned for its transport.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,8 +23,9 @@ class Flat(Reduction):
         """Collective: one allreduce, in place when ``send`` is ``None``."""
         self.transport.run(what, "Allreduce", MPI.IN_PLACE if send is None else send, recv, mpi_op)
 
-    def start_implementation(self, what: str, pieces: Sequence[Piece],
-                             mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
+    def start_implementation(
+        self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op
+    ) -> tuple[list[MPI.Request], Completion]:
         """Collective: one nonblocking allreduce per piece; nothing to complete after them."""
         start = self.transport.start
         return [start("Allreduce", MPI.IN_PLACE if s is None else s, r, mpi_op) for s, r in pieces], nothing

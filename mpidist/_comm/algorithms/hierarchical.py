@@ -12,6 +12,7 @@ ranks form a "node", :func:`~mpidist._comm.topology.group_split`), so the
 algorithm can be tried and tested on one machine; otherwise the nodes are the
 :class:`~mpidist._comm.topology.Topology`'s.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -54,8 +55,9 @@ class Hierarchical(Reduction):
         self.transport.run(what, "Reduce", *self._to_leader(send, recv, mpi_op), comm=self.node)
         self._complete(what, recv, mpi_op)
 
-    def start_implementation(self, what: str, pieces: Sequence[Piece],
-                             mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
+    def start_implementation(
+        self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op
+    ) -> tuple[list[MPI.Request], Completion]:
         """Collective: the reductions within the node run in the background; the completion runs the rest."""
         start = self.transport.start
 

@@ -8,6 +8,7 @@ kept; a leftover of a killed save is added; then save 4 with keep=1 removes save
 leftover, and the process kills itself at the N-th rename, unlink or rmdir of that removal.
 Exit status 3: the removal needed fewer than N steps (no kill happened).
 """
+
 import os
 import signal
 import sys
@@ -50,6 +51,7 @@ def main(directory: str, kill_at: str) -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
                 steps["left"] -= 1
             return real[name](*args, **kwargs)
+
         return step
 
     for name in real:

@@ -9,6 +9,7 @@ returned) and the exit status of ``checkpoint inspect`` (with and without
 ``--no-verify``). Anything else than a ``CheckpointError``/``FileNotFoundError``
 from the reader escapes as a traceback: the test fails on it.
 """
+
 import contextlib
 import io
 import json
@@ -45,8 +46,18 @@ def main(limit: str, *paths: str) -> None:
     budget = vm_size() + int(limit)
     resource.setrlimit(resource.RLIMIT_AS, (budget, budget))
     for path in paths:
-        print(json.dumps({"path": path, "read": read(path, True), "read_no_verify": read(path, False),
-                          "inspect": inspect(path), "inspect_no_verify": inspect(path, "--no-verify")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "path": path,
+                    "read": read(path, True),
+                    "read_no_verify": read(path, False),
+                    "inspect": inspect(path),
+                    "inspect_no_verify": inspect(path, "--no-verify"),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ tell that all entries of a save belong together. Save 1 always completes. Then:
 
 The job never ends on its own except with exit status 3 (a kill did not happen).
 """
+
 import os
 import signal
 import sys
@@ -37,8 +38,7 @@ def main(directory: str, mode: str) -> int:
     strategy = mpidist.MPIStrategy()
     with strategy.scope():
         weights = mpidist.Variable(np.zeros(ELEMENTS, np.float32), name="weights")
-        counter = mpidist.Variable(np.zeros((), np.int64), name="counter", synchronization="on_read",
-                                   aggregation="sum")
+        counter = mpidist.Variable(np.zeros((), np.int64), name="counter", synchronization="on_read", aggregation="sum")
     position = Position()
     checkpoint = Checkpoint(weights=weights, counter=counter, position=position)
 

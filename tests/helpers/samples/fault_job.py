@@ -5,6 +5,7 @@
 Each rank writes its outcome to ``$FAULT_OUT/rank<R>.txt`` (files, because
 launchers may interleave the ranks' standard output) and prints it too.
 """
+
 import os
 import signal
 import sys

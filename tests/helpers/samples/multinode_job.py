@@ -18,6 +18,7 @@ rank, size and ``MULTINODE_PER_NODE`` (ranks per node, consecutive ranks share a
   and the seconds the failing collective waited; it re-raises (``abort_on_error`` then ends the
   job) or, without it, leaves with status 3.
 """
+
 import json
 import os
 import socket
@@ -45,6 +46,7 @@ def write(name, data):
 
 def check(name):
     """Run the decorated function now; record 'ok' or the failure under ``name``."""
+
     def run(fn):
         try:
             result = fn()
@@ -52,6 +54,7 @@ def check(name):
         except Exception:  # recorded for the test to show; the other checks still run
             report["checks"][name] = "FAILED: " + traceback.format_exc(limit=4)
         return fn
+
     return run
 
 
@@ -65,8 +68,14 @@ def basics():
     strategy = md.MPIStrategy(device=device, timeout=60)
     comm = strategy.communicator
     rank, size = comm.rank, comm.size
-    report.update(rank=rank, size=size, local_rank=comm.local_rank, local_size=comm.local_size,
-                  num_nodes=comm.num_nodes, device_id=strategy.backend.device_id)
+    report.update(
+        rank=rank,
+        size=size,
+        local_rank=comm.local_rank,
+        local_size=comm.local_size,
+        num_nodes=comm.num_nodes,
+        device_id=strategy.backend.device_id,
+    )
     expected_nodes = -(-size // per_node)
 
     @check("nodes")
@@ -79,6 +88,7 @@ def basics():
         assert hosts[rank // per_node * per_node] == hosts[rank] != hosts[(rank + per_node) % size] or size <= per_node
 
     if device == "gpu":
+
         @check("device")
         def _():
             import cupy
@@ -106,6 +116,7 @@ def basics():
                 assert (got == size - 1).all()
             value = s.reduce("mean", md.PerReplica({rank: xp.asarray(np.full(5, float(rank)))}))
             assert np.allclose(host(value), (size - 1) / 2)
+
         s.free()
 
     for flat in (False, True):
@@ -115,8 +126,9 @@ def basics():
         def _():
             shapes = [(5, 7), (), (900,), (3,)]
             with s.scope():
-                variables = [md.Variable(xp.zeros(shape), aggregation="mean", name=f"w{i}")
-                             for i, shape in enumerate(shapes)]
+                variables = [
+                    md.Variable(xp.zeros(shape), aggregation="mean", name=f"w{i}") for i, shape in enumerate(shapes)
+                ]
                 grads = s.flat_zeros_like(variables)
                 for g in grads:
                     g[...] = rank + 1
@@ -128,29 +140,34 @@ def basics():
                 assert np.allclose(component, 0.5 * total / size), (v.name, component.ravel()[:3])
             digests = comm.allgather_bytes(b"".join(host(v.component).tobytes() for v in variables), name="w")
             assert len(set(digests)) == 1
+
         s.free()
 
     @check("input")
     def _():
-        steps = [int(host(e.get())) for e in strategy.distribute_dataset(range(4 * size + 1), prefetch=0,
-                                                                           drop_remainder=True)]
+        steps = [
+            int(host(e.get()))
+            for e in strategy.distribute_dataset(range(4 * size + 1), prefetch=0, drop_remainder=True)
+        ]
         assert steps == [s * size + rank for s in range(4)], steps
         data = np.arange(8 * size * 3, dtype=np.float32).reshape(8 * size, 3)
         batches = list(strategy.distribute_dataset(md.ArrayDataset(data, global_batch_size=2 * size), prefetch=0))
         per = 2
         for step, batch in enumerate(batches):
             first = step * 2 * size + rank * per
-            assert np.array_equal(host(batch.get()), data[first:first + per]), (step, host(batch.get()))
+            assert np.array_equal(host(batch.get()), data[first : first + per]), (step, host(batch.get()))
 
     directory = os.environ.get("MULTINODE_CKPT")
     if directory:
+
         @check("checkpoint")
         def _():
             elements = 1 << 22  # 32 MiB of float64
             with strategy.scope():
                 weights = md.Variable(xp.asarray(np.arange(elements, dtype=np.float64)), name="weights")
-                counter = md.Variable(xp.asarray(np.array(0.0)), name="counter", synchronization="on_read",
-                                      aggregation="sum")
+                counter = md.Variable(
+                    xp.asarray(np.array(0.0)), name="counter", synchronization="on_read", aggregation="sum"
+                )
             strategy.run(lambda: counter.assign(xp.asarray(np.array(float(rank + 1)))))  # local in replica context
             with strategy.scope():
                 saved = float(host(strategy.read_var(counter)))
@@ -183,8 +200,11 @@ def safety():
             fn()
             errors[name] = {"type": None}
         except md.MpidistError as exc:
-            errors[name] = {"type": type(exc).__name__, "message": str(exc),
-                            "missing": list(getattr(exc, "missing_ranks", ()) or ())}
+            errors[name] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "missing": list(getattr(exc, "missing_ranks", ()) or ()),
+            }
         except Exception as exc:  # the invalid argument itself may surface as a built-in type
             errors[name] = {"type": type(exc).__name__, "message": str(exc), "mpidist": False}
 
@@ -221,8 +241,14 @@ def loop():
                 write(f"rank{rank}.ready", {"pid": os.getpid(), "host": socket.gethostname()})
             time.sleep(0.02)
     except md.MpidistError as exc:
-        report.update(error=type(exc).__name__, message=str(exc), step=step, wall=time.time(),
-                      missing=list(getattr(exc, "missing_ranks", ()) or ()), waited=time.monotonic() - started)
+        report.update(
+            error=type(exc).__name__,
+            message=str(exc),
+            step=step,
+            wall=time.time(),
+            missing=list(getattr(exc, "missing_ranks", ()) or ()),
+            waited=time.monotonic() - started,
+        )
         write(f"rank{rank}.json", report)
         if strategy.options.abort_on_error:
             raise

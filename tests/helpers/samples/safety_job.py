@@ -7,6 +7,7 @@ the agreement itself. Each rank appends one line per case to
 ``OUT_DIR/rank<R>.txt``: ``<case> <seconds> <ExceptionType>: <message>`` (or
 ``<case> <seconds> ok <detail>``). tests/unit/test_collective_safety.py reads them.
 """
+
 import gc
 import os
 import sys
@@ -69,7 +70,8 @@ def _read_only():
 MISMATCHES = {
     "shape": lambda: comm.allreduce(np.ones(2 + (rank == bad))),
     "reduce_scatter_counts_differ": lambda: comm.reduce_scatter(
-        np.ones((2 * size, 2)), counts=[2 * size if r == rank % size else 0 for r in range(size)]),
+        np.ones((2 * size, 2)), counts=[2 * size if r == rank % size else 0 for r in range(size)]
+    ),
     "empty_nest": lambda: strategy.reduce("sum", mine([np.ones(2), np.ones(3)], [])),
     "different_variable": lambda: strategy.run(lambda: mine(variable, other).assign_add(np.ones(3))),
     "variable_name": lambda: md.Variable(np.zeros(2), name=mine("weights", "bias")),

@@ -1,4 +1,5 @@
 """One assertion that fails on rank 1 only: the job must exit non-zero."""
+
 import pytest
 from mpi4py import MPI
 

@@ -1,4 +1,5 @@
 """Collectives that pass at any number of ranks."""
+
 import pytest
 from mpi4py import MPI
 

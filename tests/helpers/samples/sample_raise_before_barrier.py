@@ -3,6 +3,7 @@
 Under ``python -m mpi4py`` rank 1's non-zero exit aborts the job; without it rank 0 would
 wait in the barrier forever.
 """
+
 import pytest
 from mpi4py import MPI
 

@@ -5,6 +5,7 @@ mpidist depends on it: no implicit conversion to the host, explicit and
 counted copies, stream-ordered work whose synchronisation is checked when MPI
 reads a buffer, one current device per thread.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -23,8 +24,10 @@ def _real_cupy() -> str | None:
 
 _found = _real_cupy()
 if _found is not None:
-    raise ImportError(f"the CuPy stand-in in {_HERE} refuses to shadow the real CuPy at {_found}: "
-                      "unset MPIDIST_TEST_DEVICE=standin to test with the real CuPy")
+    raise ImportError(
+        f"the CuPy stand-in in {_HERE} refuses to shadow the real CuPy at {_found}: "
+        "unset MPIDIST_TEST_DEVICE=standin to test with the real CuPy"
+    )
 
 import builtins as _builtins  # noqa: E402
 import numbers  # noqa: E402
@@ -94,16 +97,20 @@ class ndarray:
     def _check_device(self) -> None:
         current = current_device_id()
         if self._device != current:
-            raise ValueError(f"The device where the array resides ({self._device}) is different from the "
-                             f"current device ({current}). Peer access is unavailable.")
+            raise ValueError(
+                f"The device where the array resides ({self._device}) is different from the "
+                f"current device ({current}). Peer access is unavailable."
+            )
 
     def _handed_out(self, how: str) -> None:
         """A consumer (MPI) reads the memory now: its producing work must be finished."""
         LEDGER.add("mpi_reads")
         for _, _, stream, ticket in self._unfinished():
-            LEDGER.violation(f"{how} of a {self.dtype}{list(self.shape)} device array while {stream!r} had "
-                             f"unfinished work writing it (ticket {ticket}, completed {stream._completed}): "
-                             "the producing stream was not synchronised")
+            LEDGER.violation(
+                f"{how} of a {self.dtype}{list(self.shape)} device array while {stream!r} had "
+                f"unfinished work writing it (ticket {ticket}, completed {stream._completed}): "
+                "the producing stream was not synchronised"
+            )
 
     # -- attributes -------------------------------------------------------------------------
     shape = property(lambda self: self._a.shape)
@@ -129,13 +136,19 @@ class ndarray:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         self._exported("__cuda_array_interface__")
         stream = get_current_stream()
-        return {"shape": self.shape, "typestr": self.dtype.str, "descr": [("", self.dtype.str)],
-                "data": (_address(self._a), False), "version": 3,
-                "strides": None if self._a.flags.c_contiguous else self.strides,
-                "stream": 1 if stream.is_null else stream.ptr}
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "descr": [("", self.dtype.str)],
+            "data": (_address(self._a), False),
+            "version": 3,
+            "strides": None if self._a.flags.c_contiguous else self.strides,
+            "stream": 1 if stream.is_null else stream.ptr,
+        }
 
-    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Any = None) -> Any:
+    def __dlpack__(
+        self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None
+    ) -> Any:
         self._exported(f"__dlpack__(stream={stream})")
         kwargs = {}
         if max_version is not None:
@@ -150,8 +163,10 @@ class ndarray:
     # -- no implicit host conversion ----------------------------------------------------------
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         LEDGER.implicit_conversion(f"__array__ of a {self.dtype}{list(self.shape)} device array")
-        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
-                        "Please use `.get()` to construct a NumPy array explicitly.")
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. "
+            "Please use `.get()` to construct a NumPy array explicitly."
+        )
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         if method != "__call__" or _builtins.any(isinstance(x, np.ndarray) for x in inputs):
@@ -165,14 +180,17 @@ class ndarray:
         return mine(*args, **kwargs)
 
     # -- explicit copies --------------------------------------------------------------------------
-    def get(self, stream: Any = None, order: str = "C", out: Optional[np.ndarray] = None,
-            blocking: bool = True) -> np.ndarray:
+    def get(
+        self, stream: Any = None, order: str = "C", out: Optional[np.ndarray] = None, blocking: bool = True
+    ) -> np.ndarray:
         """A host copy (into ``out`` when given); waits for the stream's work, like CuPy."""
         stream = get_current_stream() if stream is None else stream
         stream._complete_to(stream._issued)
         for _, _, other, ticket in self._unfinished():
-            LEDGER.violation(f"get() of a {self.dtype}{list(self.shape)} device array while {other!r} had "
-                             f"unfinished work writing it (ticket {ticket})")
+            LEDGER.violation(
+                f"get() of a {self.dtype}{list(self.shape)} device array while {other!r} had "
+                f"unfinished work writing it (ticket {ticket})"
+            )
         LEDGER.copy("d2h", self.nbytes)
         if out is None:
             return self._a.copy(order=order)
@@ -257,8 +275,9 @@ class ndarray:
         self._wrote(region if isinstance(region, np.ndarray) and np.may_share_memory(region, self._a) else None)
 
     # -- methods -----------------------------------------------------------------------------
-    def astype(self, dtype: Any, order: str = "K", casting: Any = None, subok: Any = None,
-               copy: bool = True) -> ndarray:
+    def astype(
+        self, dtype: Any, order: str = "K", casting: Any = None, subok: Any = None, copy: bool = True
+    ) -> ndarray:
         if not copy and np.dtype(dtype) == self.dtype:
             return self
         return _apply(lambda a: a.astype(dtype, order=order), self)
@@ -370,8 +389,9 @@ def _apply(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise TypeError("tuple out= is not supported by the stand-in")
     else:
         out = None
-    flat = [a for a in args if isinstance(a, ndarray)] + [a for v in args if isinstance(v, (list, tuple))
-                                                           for a in v if isinstance(a, ndarray)]
+    flat = [a for a in args if isinstance(a, ndarray)] + [
+        a for v in args if isinstance(v, (list, tuple)) for a in v if isinstance(a, ndarray)
+    ]
     result = fn(*(_unwrap(a) for a in args), **{k: _unwrap(v) for k, v in kwargs.items()})
     return _wrap(result, tuple(flat), out)
 
@@ -387,25 +407,69 @@ def _binary(op: Callable[[Any, Any], Any], reflected: bool = False) -> Callable[
     return method
 
 
-for _name, _op in [("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
-                   ("truediv", operator.truediv), ("floordiv", operator.floordiv), ("mod", operator.mod),
-                   ("pow", operator.pow), ("matmul", operator.matmul), ("and", operator.and_),
-                   ("or", operator.or_), ("xor", operator.xor), ("lshift", operator.lshift),
-                   ("rshift", operator.rshift)]:
+for _name, _op in [
+    ("add", operator.add),
+    ("sub", operator.sub),
+    ("mul", operator.mul),
+    ("truediv", operator.truediv),
+    ("floordiv", operator.floordiv),
+    ("mod", operator.mod),
+    ("pow", operator.pow),
+    ("matmul", operator.matmul),
+    ("and", operator.and_),
+    ("or", operator.or_),
+    ("xor", operator.xor),
+    ("lshift", operator.lshift),
+    ("rshift", operator.rshift),
+]:
     setattr(ndarray, f"__{_name}__", _binary(_op))
     setattr(ndarray, f"__r{_name}__", _binary(_op, reflected=True))
-    setattr(ndarray, f"__i{_name}__",
-            (lambda iop: lambda self, other: self._inplace(iop, other))(getattr(operator, f"i{_name}")))
-for _name, _op in [("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt), ("le", operator.le),
-                   ("gt", operator.gt), ("ge", operator.ge)]:
+    setattr(
+        ndarray,
+        f"__i{_name}__",
+        (lambda iop: lambda self, other: self._inplace(iop, other))(getattr(operator, f"i{_name}")),
+    )
+for _name, _op in [
+    ("eq", operator.eq),
+    ("ne", operator.ne),
+    ("lt", operator.lt),
+    ("le", operator.le),
+    ("gt", operator.gt),
+    ("ge", operator.ge),
+]:
     setattr(ndarray, f"__{_name}__", _binary(_op))
 for _name, _op in [("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs), ("invert", operator.invert)]:
     setattr(ndarray, f"__{_name}__", (lambda f: lambda self: _apply(f, self))(_op))
 ndarray.__divmod__ = _binary(divmod)  # type: ignore[attr-defined]
 
-_METHODS = ["all", "any", "sum", "mean", "prod", "max", "min", "argmax", "argmin", "cumsum", "ravel",
-            "flatten", "transpose", "swapaxes", "squeeze", "clip", "round", "dot", "nonzero", "take",
-            "repeat", "conj", "std", "var", "sort", "argsort"]
+_METHODS = [
+    "all",
+    "any",
+    "sum",
+    "mean",
+    "prod",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "cumsum",
+    "ravel",
+    "flatten",
+    "transpose",
+    "swapaxes",
+    "squeeze",
+    "clip",
+    "round",
+    "dot",
+    "nonzero",
+    "take",
+    "repeat",
+    "conj",
+    "std",
+    "var",
+    "sort",
+    "argsort",
+]
 for _name in _METHODS:
     setattr(ndarray, _name, (lambda n: lambda self, *a, **k: _apply(getattr(np.ndarray, n), self, *a, **k))(_name))
 
@@ -441,8 +505,16 @@ def asarray(a: Any, dtype: Any = None, order: Any = None, *, blocking: bool = Fa
     return _from_host(a, dtype, copy=False, order=order)
 
 
-def array(obj: Any, dtype: Any = None, copy: bool = True, order: str = "K", subok: bool = False,
-          ndmin: int = 0, *, blocking: bool = False) -> ndarray:
+def array(
+    obj: Any,
+    dtype: Any = None,
+    copy: bool = True,
+    order: str = "K",
+    subok: bool = False,
+    ndmin: int = 0,
+    *,
+    blocking: bool = False,
+) -> ndarray:
     return _from_host(obj, dtype, copy=copy, order=order, ndmin=ndmin)
 
 
@@ -487,7 +559,8 @@ def _filled(make: Callable[..., np.ndarray]) -> Callable[..., ndarray]:
 
 
 zeros, ones, full, arange, linspace, eye, identity = (
-    _filled(f) for f in (np.zeros, np.ones, np.full, np.arange, np.linspace, np.eye, np.identity))
+    _filled(f) for f in (np.zeros, np.ones, np.full, np.arange, np.linspace, np.eye, np.identity)
+)
 
 
 def _like(make: Callable[..., np.ndarray], fill: bool) -> Callable[..., ndarray]:
@@ -516,16 +589,100 @@ def copyto(dst: ndarray, src: Any, casting: str = "same_kind", where: Any = True
 
 
 _FUNCTIONS = [
-    "add", "subtract", "multiply", "divide", "true_divide", "floor_divide", "mod", "remainder", "power",
-    "negative", "abs", "absolute", "sqrt", "square", "exp", "log", "log1p", "expm1", "tanh", "sin", "cos",
-    "maximum", "minimum", "fmax", "fmin", "isfinite", "isnan", "isinf", "where", "clip", "sum", "mean",
-    "prod", "max", "min", "amax", "amin", "argmax", "argmin", "all", "any", "dot", "matmul", "concatenate",
-    "stack", "vstack", "hstack", "moveaxis", "swapaxes", "broadcast_to", "reshape", "ravel", "transpose",
-    "divmod", "equal", "not_equal", "less", "greater", "less_equal", "greater_equal", "logical_and",
-    "logical_or", "logical_not", "sign", "floor", "ceil", "round", "around", "cumsum", "sort", "argsort",
-    "unique", "take", "einsum", "outer", "frexp", "ldexp", "nonzero", "count_nonzero", "array_equal",
-    "allclose", "isclose", "expand_dims", "squeeze", "atleast_1d", "atleast_2d", "bincount", "tile",
-    "repeat", "flip", "roll", "var", "std", "log2",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "true_divide",
+    "floor_divide",
+    "mod",
+    "remainder",
+    "power",
+    "negative",
+    "abs",
+    "absolute",
+    "sqrt",
+    "square",
+    "exp",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "sin",
+    "cos",
+    "maximum",
+    "minimum",
+    "fmax",
+    "fmin",
+    "isfinite",
+    "isnan",
+    "isinf",
+    "where",
+    "clip",
+    "sum",
+    "mean",
+    "prod",
+    "max",
+    "min",
+    "amax",
+    "amin",
+    "argmax",
+    "argmin",
+    "all",
+    "any",
+    "dot",
+    "matmul",
+    "concatenate",
+    "stack",
+    "vstack",
+    "hstack",
+    "moveaxis",
+    "swapaxes",
+    "broadcast_to",
+    "reshape",
+    "ravel",
+    "transpose",
+    "divmod",
+    "equal",
+    "not_equal",
+    "less",
+    "greater",
+    "less_equal",
+    "greater_equal",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "around",
+    "cumsum",
+    "sort",
+    "argsort",
+    "unique",
+    "take",
+    "einsum",
+    "outer",
+    "frexp",
+    "ldexp",
+    "nonzero",
+    "count_nonzero",
+    "array_equal",
+    "allclose",
+    "isclose",
+    "expand_dims",
+    "squeeze",
+    "atleast_1d",
+    "atleast_2d",
+    "bincount",
+    "tile",
+    "repeat",
+    "flip",
+    "roll",
+    "var",
+    "std",
+    "log2",
 ]
 for _name in _FUNCTIONS:
     _np = getattr(np, _name)
@@ -535,9 +692,21 @@ dtype = np.dtype
 newaxis = np.newaxis
 inf, nan, pi, e = np.inf, np.nan, np.pi, np.e
 bool_ = np.bool_
-(int8, int16, int32, int64, uint8, uint16, uint32, uint64, float16, float32, float64, complex64,
- complex128) = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-                np.float16, np.float32, np.float64, np.complex64, np.complex128)
+(int8, int16, int32, int64, uint8, uint16, uint32, uint64, float16, float32, float64, complex64, complex128) = (
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+)
 intp, int_, float_ = np.intp, np.int64, np.float64
 finfo, iinfo, result_type, can_cast, issubdtype = np.finfo, np.iinfo, np.result_type, np.can_cast, np.issubdtype
 floating, integer, complexfloating, number, generic = np.floating, np.integer, np.complexfloating, np.number, np.generic

@@ -1,4 +1,5 @@
 """What the stand-in saw: host/device copies, synchronisations, MPI reads of device buffers, violations."""
+
 from __future__ import annotations
 
 import threading

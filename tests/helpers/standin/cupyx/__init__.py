@@ -1,4 +1,5 @@
 """Stand-in ``cupyx``: pinned host arrays (see tests/helpers/standin/README.md)."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -7,6 +7,7 @@ also complete the recorded work of the event's stream, as on a GPU. Nothing
 completes by itself: only an explicit synchronisation (or a blocking copy to
 the host) does, so a missing synchronisation is always visible.
 """
+
 from __future__ import annotations
 
 import ctypes

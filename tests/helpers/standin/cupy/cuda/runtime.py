@@ -1,4 +1,5 @@
 """Stand-in ``cupy.cuda.runtime``: device count and properties."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,16 @@ def setDevice(device: int) -> None:
 
 def getDeviceProperties(device: int) -> dict[str, Any]:
     _check(device)
-    return {"name": b"CuPy stand-in (host memory)", "totalGlobalMem": 80 << 30, "major": 9, "minor": 0,
-            "multiProcessorCount": 132, "pciBusID": device + 1, "pciDeviceID": 0, "pciDomainID": 0}
+    return {
+        "name": b"CuPy stand-in (host memory)",
+        "totalGlobalMem": 80 << 30,
+        "major": 9,
+        "minor": 0,
+        "multiProcessorCount": 132,
+        "pciBusID": device + 1,
+        "pciDeviceID": 0,
+        "pciDomainID": 0,
+    }
 
 
 def deviceGetPCIBusId(device: int) -> str:
