@@ -246,14 +246,18 @@ class StrategyExtended:
 
     # -- contexts -----------------------------------------------------------------------------
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Collective: ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context; see ``ReplicaContext.merge_call``."""
+        """Collective: ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context; see
+        ``ReplicaContext.merge_call``."""
         rank = self._comm.rank
         wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
         with enter_context(self._strategy):
             result = merge_fn(self._strategy, *wrapped[0], **wrapped[1])
-        keep_variables = lambda x: (
-            x if isinstance(x, DistributedVariable) else (x.get(rank) if isinstance(x, DistributedValues) else x)
-        )
+
+        def keep_variables(x: Any) -> Any:
+            if isinstance(x, DistributedVariable):
+                return x
+            return x.get(rank) if isinstance(x, DistributedValues) else x
+
         return map_structure(keep_variables, result)
 
     def replica_context(self) -> ReplicaContext:

@@ -117,16 +117,18 @@ class MPIStrategy:
 
         ``PerReplica`` arguments (also inside lists, tuples and dicts) are
         replaced by this rank's component (also when they hold components of
-        other replicas too); everything else is passed as it is. The return value keeps its structure, with arrays and numbers
-        wrapped as ``PerReplica``; a variable (or its component) comes back
-        as the variable, any other object as it is. Collective only if ``fn``
+        other replicas too); everything else is passed as it is. The return
+        value keeps its structure, with arrays and numbers wrapped as
+        ``PerReplica``; a variable (or its component) comes back as the
+        variable, any other object as it is. Collective only if ``fn``
         makes collective calls (``merge_call``, updates of mirrored variables).
         """
         if get_replica_context() is not None:
             raise RuntimeError("strategy.run was called inside strategy.run; call fn directly instead")
-        unwrap = lambda x: (
-            x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
-        )
+
+        def unwrap(x: Any) -> Any:
+            return x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
+
         args = map_structure(unwrap, tuple(args)) if args else ()
         kwargs = map_structure(unwrap, dict(kwargs)) if kwargs else {}
         with enter_context(self, self._extended.replica_context()):

@@ -24,6 +24,7 @@ import platform
 import socket
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from mpidist._comm.backend import cupy_version, nccl_status
@@ -90,9 +91,10 @@ def _process_name(pid: int) -> tuple[str, int]:
     return name, int(fields[1]) if len(fields) > 1 else 0
 
 
-def detect_launcher(env: Optional[dict] = None) -> str:
+def detect_launcher(env: Optional[Mapping[str, str]] = None) -> str:
     """Which launcher started this process, from its ancestors' names and the environment."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     pid, seen = os.getppid(), 0
     found = ""
     while pid > 1 and seen < 12 and not found:
@@ -136,7 +138,7 @@ def _mpi_library() -> dict[str, Any]:
         "mpi4py": mpi4py.__version__,
         "libmpi": paths,
         "libmpi_in_environment": any(
-            p.startswith(os.path.realpath(sys.prefix) + os.sep) or p.startswith(sys.prefix + os.sep) for p in paths
+            p.startswith((os.path.realpath(sys.prefix) + os.sep, sys.prefix + os.sep)) for p in paths
         ),
         "mpi4py_libmpi": os.environ.get("MPI4PY_LIBMPI"),
         "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
@@ -163,7 +165,7 @@ def _cores() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _threads(env: dict) -> Optional[int]:
+def _threads(env: Mapping[str, str]) -> Optional[int]:
     value = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(value) if value.isdigit() else None
 
@@ -326,8 +328,8 @@ def diagnose(report: dict[str, Any], expect_ranks: Optional[int] = None) -> list
                 (
                     f"node {host} has NVIDIA devices, but ranks {format_ranks(cpu_on_gpu_node)} compute with NumPy "
                     "on the CPU",
-                    "install CuPy for your CUDA version (pip install 'mpidist[cuda12]' or 'mpidist[cuda13]') and check CUDA_VISIBLE_DEVICES; "
-                    "MPIDIST_DEVICE=cpu makes the CPU choice explicit",
+                    "install CuPy for your CUDA version (pip install 'mpidist[cuda12]' or 'mpidist[cuda13]') "
+                    "and check CUDA_VISIBLE_DEVICES; MPIDIST_DEVICE=cpu makes the CPU choice explicit",
                 )
             )
     return problems

@@ -191,17 +191,16 @@ def pack_sequence_as(structure: Any, flat: Sequence[Any]) -> Any:
         raise ValueError(
             f"pack_sequence_as: the structure has {n_leaves} leaves but the flat sequence has {len(flat)} items"
         )
-    it = iter(flat)
+    return _pack(structure, iter(flat))
 
-    def build(node: Any) -> Any:
-        if not _is_nest_node(node):
-            return next(it)
-        return _rebuild(node, [build(child) for _, child in _children(node)])
 
-    try:
-        return build(structure)
-    finally:
-        del build  # a recursive closure is a reference cycle: break it, so that the leaves are freed at once
+# The recursive helpers are module functions, not closures: a recursive closure is a reference
+# cycle, and the leaves it holds would wait for the garbage collector instead of being freed at once.
+def _pack(node: Any, leaves: Iterator[Any]) -> Any:
+    """``node`` rebuilt with its leaves taken, in order, from ``leaves``."""
+    if not _is_nest_node(node):
+        return next(leaves)
+    return _rebuild(node, [_pack(child, leaves) for _, child in _children(node)])
 
 
 def map_structure_with_path(fn: Callable[..., Any], *nests: Any) -> Any:
@@ -215,22 +214,20 @@ def map_structure_with_path(fn: Callable[..., Any], *nests: Any) -> Any:
     first = nests[0]
     for other in nests[1:]:
         assert_same_structure(first, other)
+    return _map_with_path(fn, "", nests)
 
-    def walk(path: str, nodes: tuple[Any, ...]) -> Any:
-        head = nodes[0]
-        if not _is_nest_node(head):
-            return fn(path, *nodes)
-        if isinstance(head, dict):
-            results = [walk(path + f"[{k!r}]", tuple(n[k] for n in nodes)) for k in _dict_keys(head)]
-        else:
-            pieces = [piece for piece, _ in _children(head)]
-            results = [walk(path + pieces[i], tuple(n[i] for n in nodes)) for i in range(len(head))]
-        return _rebuild(head, results)
 
-    try:
-        return walk("", nests)
-    finally:
-        del walk  # break the closure's reference cycle (see pack_sequence_as)
+def _map_with_path(fn: Callable[..., Any], path: str, nodes: tuple[Any, ...]) -> Any:
+    """``fn(path, *leaves)`` over nodes of the same structure (see :func:`_pack` for why not a closure)."""
+    head = nodes[0]
+    if not _is_nest_node(head):
+        return fn(path, *nodes)
+    if isinstance(head, dict):
+        results = [_map_with_path(fn, path + f"[{k!r}]", tuple(n[k] for n in nodes)) for k in _dict_keys(head)]
+    else:
+        pieces = [piece for piece, _ in _children(head)]
+        results = [_map_with_path(fn, path + pieces[i], tuple(n[i] for n in nodes)) for i in range(len(head))]
+    return _rebuild(head, results)
 
 
 def map_structure(fn: Callable[..., Any], *nests: Any) -> Any:
@@ -246,18 +243,16 @@ def map_structure(fn: Callable[..., Any], *nests: Any) -> Any:
     first = nests[0]
     for other in nests[1:]:
         assert_same_structure(first, other)
+    return _map(fn, nests)
 
-    def walk(nodes: tuple[Any, ...]) -> Any:
-        head = nodes[0]
-        if type(head) in (list, tuple) or (isinstance(head, (list, tuple)) and not _is_namedtuple(head)):
-            return _rebuild(head, [walk(tuple(n[i] for n in nodes)) for i in range(len(head))])
-        if isinstance(head, dict):
-            return _rebuild(head, [walk(tuple(n[k] for n in nodes)) for k in _dict_keys(head)])
-        if _is_namedtuple(head):
-            return type(head)._make([walk(tuple(n[i] for n in nodes)) for i in range(len(head))])
-        return fn(*nodes)
 
-    try:
-        return walk(nests)
-    finally:
-        del walk  # break the closure's reference cycle (see pack_sequence_as)
+def _map(fn: Callable[..., Any], nodes: tuple[Any, ...]) -> Any:
+    """``fn(*leaves)`` over nodes of the same structure (see :func:`_pack` for why not a closure)."""
+    head = nodes[0]
+    if type(head) in (list, tuple) or (isinstance(head, (list, tuple)) and not _is_namedtuple(head)):
+        return _rebuild(head, [_map(fn, tuple(n[i] for n in nodes)) for i in range(len(head))])
+    if isinstance(head, dict):
+        return _rebuild(head, [_map(fn, tuple(n[k] for n in nodes)) for k in _dict_keys(head)])
+    if _is_namedtuple(head):
+        return type(head)._make([_map(fn, tuple(n[i] for n in nodes)) for i in range(len(head))])
+    return fn(*nodes)

@@ -186,9 +186,13 @@ class DistributedValues:
         return self._convertible().__dlpack_device__
 
 
+def _no_replica_id() -> Optional[int]:
+    return None
+
+
 # The current replica id for get() without an id: None outside replica context. The context
 # layer, above this one, installs the real source with set_replica_id_source.
-_current_replica_id: Callable[[], Optional[int]] = lambda: None
+_current_replica_id: Callable[[], Optional[int]] = _no_replica_id
 
 
 def set_replica_id_source(source: Callable[[], Optional[int]]) -> None:
@@ -233,7 +237,7 @@ def _round(x: Any, ndigits: Optional[int] = None) -> Any:
 
 
 # name -> operation on the component; binary ones also get their reflected form (__radd__, ...).
-_BINARY = {
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "add": operator.add,
     "sub": operator.sub,
     "mul": operator.mul,
@@ -248,7 +252,7 @@ _BINARY = {
     "lshift": operator.lshift,
     "rshift": operator.rshift,
 }
-_OTHER = {
+_OTHER: dict[str, Callable[..., Any]] = {
     "lt": operator.lt,
     "le": operator.le,
     "gt": operator.gt,
@@ -422,10 +426,11 @@ def _regroup_leaf(
                 break
         else:
             return container
-    # The same object everywhere: return it as is.
-    if all(leaf is first for leaf in leaves[1:]):
-        if isinstance(first, DistributedValues) or wrap_identical is None or not wrap_identical(first):
-            return first
+    # The same object everywhere: return it as is (unless wrap_identical asks to wrap it).
+    if all(leaf is first for leaf in leaves[1:]) and (
+        isinstance(first, DistributedValues) or wrap_identical is None or not wrap_identical(first)
+    ):
+        return first
     return wrap_class(dict(zip(ids, leaves)))
 
 

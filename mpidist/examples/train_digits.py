@@ -96,7 +96,7 @@ def split(images: np.ndarray, labels: np.ndarray, test_fraction: float, seed: in
     """Scaled float32 ``(x_train, y_train, x_test, y_test)``: a fixed shuffle, then the last
     ``test_fraction`` of it held out. The same on every rank (no communication)."""
     order = np.random.default_rng(seed).permutation(len(labels))
-    n_test = int(round(len(labels) * test_fraction))
+    n_test = round(len(labels) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     x = images.astype(np.float32) / 16.0
     y = labels.astype(np.int64)
@@ -112,7 +112,7 @@ def _forward(xp: Any, params: list, x: Any) -> tuple[Any, Any]:
 
 def _loss_and_grads(xp: Any, params: list, x: Any, y: Any) -> tuple[Any, Any, list]:
     """Per-sample losses, logits, and the gradient of the mean loss over this rank's batch."""
-    w1, b1, w2, b2 = params
+    _w1, _b1, w2, _b2 = params
     h, logits = _forward(xp, params, x)
     shifted = logits - logits.max(axis=1, keepdims=True)
     log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))

@@ -346,9 +346,9 @@ def test_save_is_a_cross_replica_call(strategy, shared_dir):
     with strategy.scope():
         weights = mpidist.Variable(np.zeros(2))
     checkpoint = Checkpoint(weights=weights)
-    with pytest.raises(RuntimeError, match="outside strategy.run"):
+    with pytest.raises(RuntimeError, match=r"outside strategy\.run"):
         strategy.run(lambda: checkpoint.save(shared_dir))
-    with pytest.raises(RuntimeError, match="inside `with strategy.scope"):
+    with pytest.raises(RuntimeError, match=r"inside `with strategy\.scope"):
         Checkpoint(table=np.zeros(2)).save(shared_dir)
     with pytest.raises(TypeError, match="'name' is a str"):
         Checkpoint(name="text")

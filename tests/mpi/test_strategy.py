@@ -46,7 +46,7 @@ def test_given_comm_is_used_as_is():
 
 
 def test_unknown_option_is_rejected():
-    with pytest.raises(ValueError, match="unknown mpidist option.*timout"):
+    with pytest.raises(ValueError, match=r"unknown mpidist option.*timout"):
         MPIStrategy(timout=3)
 
 
@@ -107,7 +107,7 @@ def test_run_returns_variables_as_themselves(strategy):
 
 
 def test_run_inside_run_is_an_error(strategy):
-    with strategy.scope(), pytest.raises(RuntimeError, match="inside strategy.run"):
+    with strategy.scope(), pytest.raises(RuntimeError, match=r"inside strategy\.run"):
         strategy.run(lambda: strategy.run(lambda: None))
 
 
@@ -234,7 +234,7 @@ def test_values_holding_every_replicas_component_use_this_ranks(strategy):
 
 @pytest.mark.parametrize("op", [md.VariableAggregation.ONLY_FIRST_REPLICA, "only_first_replica", "ONLY_FIRST_REPLICA"])
 def test_reduce_accepts_only_first_replica(strategy, op):
-    n, r = strategy.num_replicas_in_sync, strategy.rank
+    r = strategy.rank
     value = PerReplica({r: np.array([r + 1.0, -2.0 * r])})
     with strategy.scope():
         for _ in range(2):

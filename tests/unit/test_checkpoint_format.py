@@ -205,7 +205,7 @@ class _Payload:
 def test_a_manifest_asking_for_object_arrays_is_refused_before_any_code_runs(strategy, tmp_path):
     _, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
     marker = tmp_path / "code-ran"
-    path, entry = data_file(save_dir, "table")
+    path, _ = data_file(save_dir, "table")
     np.save(path, np.array([_Payload(marker)], dtype=object), allow_pickle=True)
     manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
     for e in manifest["entries"]:
@@ -213,7 +213,7 @@ def test_a_manifest_asking_for_object_arrays_is_refused_before_any_code_runs(str
             e.update(dtype="|O", shape=[1], nbytes=8, chunk_crc32=[0])
     (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))  # a consistent, hostile manifest
     for verify in (True, False):
-        with pytest.raises(CheckpointError, match="malformed manifest.*'dtype' has an unusable value '|O'") as info:
+        with pytest.raises(CheckpointError, match=r"malformed manifest.*'dtype' has an unusable value '\|O'") as info:
             read_checkpoint(save_dir, verify=verify)
         assert not isinstance(info.value, ChecksumError)
     assert not marker.exists()
@@ -236,7 +236,7 @@ def test_a_file_name_outside_the_save_is_refused(strategy, tmp_path):
     manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
     manifest["entries"][0]["file"] = "../../outside.npy"
     (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))
-    with pytest.raises(CheckpointError, match="malformed manifest.*field 'file'"):
+    with pytest.raises(CheckpointError, match=r"malformed manifest.*field 'file'"):
         read_checkpoint(save_dir)
 
 
@@ -281,7 +281,7 @@ def test_an_altered_or_missing_file_is_detected(strategy, tmp_path):
     manifest_path = save_dir / fmt.MANIFEST
     original = manifest_path.read_text()
     manifest_path.write_text(original.replace('"world_size": 1', '"world_size": 2'))
-    with pytest.raises(ChecksumError, match="manifest.json.*does not match its checksum"):
+    with pytest.raises(ChecksumError, match=r"manifest\.json.*does not match its checksum"):
         read_checkpoint(save_dir)
     manifest_path.write_text(original[: len(original) // 2])
     with pytest.raises(ChecksumError, match="not a valid manifest"):
@@ -295,14 +295,14 @@ def test_an_altered_or_missing_file_is_detected(strategy, tmp_path):
 
 def test_restore_checks_before_it_modifies(strategy, tmp_path):
     checkpoint, save_dir = make_checkpoint(strategy, tmp_path / "ckpt")
-    path, entry = data_file(save_dir, "weights")
+    path, _ = data_file(save_dir, "weights")
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     table, position = checkpoint.items["table"], checkpoint.items["position"]
     table[...] = -1
     position.position = -1
-    with pytest.raises(ChecksumError, match="nothing was modified.*weights"):
+    with pytest.raises(ChecksumError, match=r"nothing was modified.*weights"):
         checkpoint.restore(tmp_path / "ckpt")
     assert (table == -1).all() and position.position == -1
 
@@ -324,7 +324,7 @@ def test_restores_reuse_one_share_buffer_and_still_check_before_modifying(strate
     table[...] = -1
     with strategy.scope():
         weights.assign(np.zeros_like(EXPECTED["weights"]))
-    with pytest.raises(ChecksumError, match="nothing was modified.*weights"):
+    with pytest.raises(ChecksumError, match=r"nothing was modified.*weights"):
         checkpoint.restore(tmp_path / "ckpt")
     assert (table == -1).all() and (weights.numpy() == 0).all()
 
@@ -361,7 +361,7 @@ def test_leftovers_of_a_killed_save_are_ignored_then_removed(strategy, tmp_path)
 def test_save_refuses_a_directory_that_is_not_a_checkpoint(strategy, tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "notes.txt").write_text("mine")
-    with strategy.scope(), pytest.raises(CheckpointError, match="notes.txt"):
+    with strategy.scope(), pytest.raises(CheckpointError, match=r"notes\.txt"):
         Checkpoint(table=np.zeros(2)).save(tmp_path / "results")
     assert (tmp_path / "results" / "notes.txt").read_text() == "mine"
 

@@ -147,19 +147,20 @@ def test_rebuilding_leaves_no_reference_cycle(rebuild):
     import gc
     import weakref
 
-    leaf = np.zeros(3)
-    alive = weakref.ref(leaf)
+    held = [np.zeros(3)]  # the only strong reference to the leaf, outside what the rebuild returns
+    alive = weakref.ref(held[0])
     structure = ({"a": 0}, [0])
     gc.disable()
     try:
         if rebuild == "pack_sequence_as":
-            result = pack_sequence_as(structure, [leaf, leaf])
+            result = pack_sequence_as(structure, [held[0], held[0]])
         elif rebuild == "map_structure":
-            result = map_structure(lambda x: leaf, structure)
+            result = map_structure(lambda x: held[0], structure)
         else:
-            result = map_structure_with_path(lambda path, x: leaf, structure)
-        assert result[0]["a"] is leaf and result[1][0] is leaf
-        del result, leaf
+            result = map_structure_with_path(lambda path, x: held[0], structure)
+        assert result[0]["a"] is held[0] and result[1][0] is held[0]
+        del result
+        held.clear()
         assert alive() is None
     finally:
         gc.enable()

@@ -6,6 +6,7 @@ import operator
 import pickle
 import re
 from collections import namedtuple
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -319,7 +320,7 @@ def test_numpy_asarray_of_mirrored_is_the_local_data():
 class _DeviceArrayLike:
     """Mimics a CuPy array: no implicit host conversion, a CUDA array interface."""
 
-    __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (0, False), "version": 3}
+    __cuda_array_interface__: ClassVar[dict] = {"shape": (2,), "typestr": "<f4", "data": (0, False), "version": 3}
 
     def __array__(self, dtype=None, copy=None):
         raise TypeError("Implicit conversion to a NumPy array is not allowed.")
