@@ -60,7 +60,7 @@ import numpy as np
 
 from mpidist._checkpoint import format as fmt, validate
 from mpidist._checkpoint.reader import Save, read_checkpoint
-from mpidist._comm.communicator import describe_failures
+from mpidist._comm.communicator import Communicator, describe_failures
 from mpidist._distribute.context import get_replica_context, get_strategy
 from mpidist._distribute.mirrors import diverged, host_bytes
 from mpidist._distribute.variables import DistributedVariable, VariableSynchronization
@@ -621,7 +621,7 @@ class Checkpoint:
 
     @staticmethod
     def _assemble(
-        comm: Any,
+        comm: Communicator,
         entry: dict,
         shares: list[tuple[int, int]],
         mine: np.ndarray,

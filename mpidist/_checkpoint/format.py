@@ -52,13 +52,16 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
 from mpidist._errors import CheckpointError
 from mpidist._units import human_size
 from mpidist._version import __version__
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
 
 __all__ = [
     "BLOCK_BYTES",
@@ -87,7 +90,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 # -- arrays and headers ----------------------------------------------------------------
-def check_dtype(dtype: Any, name: str) -> np.dtype:
+def check_dtype(dtype: DTypeLike, name: str) -> np.dtype:
     """``dtype`` if a checkpoint can hold it (bool, integers, floats, complex, datetimes)."""
     dtype = np.dtype(dtype)
     if dtype.kind not in "biufcmM" or dtype.fields is not None or dtype.subdtype is not None:
@@ -272,7 +275,7 @@ def make_manifest(entries: list[dict], world_size: int, block_bytes: int) -> dic
     }
 
 
-def entry_array(entry: dict, buffer: Any) -> np.ndarray:
+def entry_array(entry: dict, buffer: ArrayLike) -> np.ndarray:
     """The entry's bytes (a ``uint8`` array) viewed with its dtype and shape."""
     return np.asarray(buffer).view(np.dtype(entry["dtype"])).reshape(entry["shape"])
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from argparse import _SubParsersAction  # what add_subparsers() returns (argparse has no public name for it)
 
 __all__ = ["DAMAGED", "DESCRIPTION", "OK", "UNREADABLE", "add_parser", "printable", "run"]
 
@@ -27,7 +30,7 @@ DESCRIPTION = (
 )
 
 
-def add_parser(actions: Any) -> None:
+def add_parser(actions: _SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``inspect`` action to the ``checkpoint`` command's ``add_subparsers()`` object."""
     parser = actions.add_parser(
         "inspect", help="list a save's contents and verify its checksums", description=DESCRIPTION

@@ -184,7 +184,7 @@ class Save:
     def __enter__(self) -> Save:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property

@@ -19,7 +19,7 @@ import atexit
 import sys
 import traceback
 from types import TracebackType
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional, Union
 
 from mpi4py import MPI
 
@@ -72,7 +72,7 @@ def install_abort_on_error() -> None:
         lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
         _abort(f"uncaught {exc_type.__name__}", lines, 1)
 
-    def exit(status: Any = None) -> NoReturn:
+    def exit(status: Union[str, int, None] = None) -> NoReturn:
         _state["exit_code"] = status
         previous_exit(status)
 

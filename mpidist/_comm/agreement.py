@@ -38,7 +38,7 @@ import enum
 import hashlib
 import math
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -55,6 +55,12 @@ from mpidist._errors import (
     format_ranks,
     on_rank,
 )
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array
+
+    # What a call moves: one array, the list of arrays of a fused reduction, or nothing (a barrier).
+    CallData = Union[Array, list[Array], tuple[Array, ...], None]
 
 __all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate"]
 
@@ -106,7 +112,7 @@ class Call:
         dtype: str = "",
         shape: tuple = (),
         root: int = 0,
-        extra: Any = None,
+        extra: Optional[tuple] = None,
     ) -> None:
         self.kind, self.op, self.dtype, self.shape = kind, op, dtype, shape
         self.name, self.root, self.extra = name, root, extra
@@ -197,7 +203,7 @@ def _why_invalid(array: Any, op: Optional[ReduceOp], writable: bool) -> tuple[ty
     return ValueError, f": {op.name if op else '?'} is not defined for complex dtype {array.dtype}"
 
 
-def carried(array: Any, op: Optional[ReduceOp]) -> bool:
+def carried(array: Array, op: Optional[ReduceOp]) -> bool:
     """Local: whether ``array`` reduced by ``op`` travels inside the record (small host SUM/MEAN)."""
     return (
         (op is ReduceOp.SUM or op is ReduceOp.MEAN)
@@ -304,7 +310,7 @@ class Agreement:
 
     # -- starting and completing -------------------------------------------------------------
     def agree(
-        self, call: Call, error: Optional[Exception] = None, data: Any = None, check_finite: bool = False
+        self, call: Call, error: Optional[Exception] = None, data: CallData = None, check_finite: bool = False
     ) -> Optional[np.ndarray]:
         """Collective: agree on ``call`` (blocking); returns the reduced ``data`` slots, if they were carried.
 
@@ -323,7 +329,7 @@ class Agreement:
         return self._verify(call, error, carry, expected)
 
     def agree_array(
-        self, kind: Kind, name: str, op: Optional[ReduceOp], array: Any, check_finite: bool = False
+        self, kind: Kind, name: str, op: Optional[ReduceOp], array: Array, check_finite: bool = False
     ) -> Optional[np.ndarray]:
         """Collective: :meth:`agree` on a call of one valid array (the per-collective path, kept short).
 
@@ -364,7 +370,7 @@ class Agreement:
         self._verify(call, None, carry, expected)
         return out
 
-    def _plan(self, key: tuple, call: Call, array: Any) -> _Plan:
+    def _plan(self, key: tuple, call: Call, array: Array) -> _Plan:
         """Local: what :meth:`agree_array` needs for calls like ``call`` (cached per key)."""
         carry = array.size if call.kind is Kind.ALLREDUCE and carried(array, call.op) else 0
         if len(self._plans) > 4096:
@@ -380,7 +386,7 @@ class Agreement:
         self,
         call: Call,
         error: Optional[Exception] = None,
-        data: Any = None,
+        data: CallData = None,
         check_finite: bool = False,
         then: Optional[Callable[[Optional[np.ndarray]], Any]] = None,
     ) -> Ticket:
@@ -411,7 +417,11 @@ class Agreement:
             raise
 
     def _fill(self, call: Call, error: Optional[Exception], data: Any, check_finite: bool) -> tuple[int, list[float]]:
-        """Local: write this rank's record of ``call``; returns the carried size and the sums that mean "agreed"."""
+        """Local: write this rank's record of ``call``; returns the carried size and the sums that mean "agreed".
+
+        ``data`` is a :data:`CallData`, typed ``Any`` here: this per-collective path tells one array
+        from a list by ``data.__class__``, which the type checker does not narrow on.
+        """
         t = self.transport
         if t.broken is not None:
             raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
@@ -546,7 +556,7 @@ class Agreement:
         )
 
 
-def _nonfinite(data: Any) -> bool:
+def _nonfinite(data: CallData) -> bool:
     if data is None:
         return False
     arrays = data if isinstance(data, (list, tuple)) else [data]

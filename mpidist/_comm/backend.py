@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
+
+    from mpidist._typing import Array
 
 __all__ = [
     "Backend",
@@ -64,15 +69,19 @@ def is_device_array(array: Any) -> bool:
     return hasattr(array, "__cuda_array_interface__")
 
 
-def data_pointer(array: Any) -> int:
+def data_pointer(array: Array) -> int:
     """The address of ``array``'s first element, in host or device memory."""
+    raw: Any = array  # CuPy's .data and NumPy's __array_interface__ are not members of Array
     if is_device_array(array):
-        return int(array.data.ptr)
-    return int(array.__array_interface__["data"][0])
+        return int(raw.data.ptr)
+    return int(raw.__array_interface__["data"][0])
 
 
 def to_host(array: Any) -> np.ndarray:
-    """A host NumPy array with ``array``'s data (a copy for device arrays, else a view)."""
+    """A host NumPy array with ``array``'s data (a copy for device arrays, else a view).
+
+    ``array`` is anything: a device array, or whatever ``numpy.asarray`` takes (user values too).
+    """
     if is_device_array(array):
         return array.get()
     return np.asarray(array)
@@ -145,7 +154,7 @@ class Backend:
         }
 
     # -- arrays -----------------------------------------------------------------
-    def asarray(self, value: Any, dtype: Any = None) -> Any:
+    def asarray(self, value: Any, dtype: Optional[DTypeLike] = None) -> Any:
         """``value`` as an array of this backend (copies across host/device only)."""
         return self.xp.asarray(value, dtype=dtype)
 
@@ -157,7 +166,7 @@ class Backend:
 
         cupy.cuda.get_current_stream().synchronize()
 
-    def _pinned_like(self, array: Any, reuse: bool) -> np.ndarray:
+    def _pinned_like(self, array: Array, reuse: bool) -> np.ndarray:
         """A page-locked host buffer with ``array``'s shape and dtype (cached when ``reuse``)."""
         import cupyx
 
@@ -170,11 +179,11 @@ class Backend:
         return buf.reshape(array.shape)
 
     @staticmethod
-    def needs_staging(array: Any, cuda_aware: bool) -> bool:
+    def needs_staging(array: Array, cuda_aware: bool) -> bool:
         """Whether MPI needs a host copy of ``array`` (a device array, MPI not CUDA-aware)."""
         return is_device_array(array) and not cuda_aware
 
-    def to_mpi(self, array: Any, cuda_aware: bool, reuse: bool = True) -> Any:
+    def to_mpi(self, array: Array, cuda_aware: bool, reuse: bool = True) -> Array:
         """A buffer MPI may use in place of ``array``.
 
         Host arrays are returned as they are. Device arrays are returned as
@@ -189,13 +198,15 @@ class Backend:
         if not self.needs_staging(array, cuda_aware):
             return array
         host = self._pinned_like(array, reuse)
-        array.get(out=host)
+        device: Any = array  # a CuPy array here: .get() is not a member of Array
+        device.get(out=host)
         return host
 
-    def from_mpi(self, array: Any, buffer: Any) -> None:
+    def from_mpi(self, array: Array, buffer: Array) -> None:
         """Copy what MPI wrote into ``buffer`` (from :meth:`to_mpi`) back into ``array``."""
         if buffer is not array:
-            array.set(buffer)
+            device: Any = array  # a staged CuPy array: .set() is not a member of Array
+            device.set(buffer)
             self.synchronize()
 
 
@@ -227,7 +238,7 @@ class DeviceStager:
             self._stream = cupy.cuda.Stream(non_blocking=True)
         self._in_flight: list[tuple[Any, np.ndarray]] = []
 
-    def start(self, host: Any) -> tuple[Any, Any]:
+    def start(self, host: ArrayLike) -> tuple[Any, Any]:
         """Queue the copy of ``host`` (a NumPy array) to the device; returns a token for :meth:`finish`."""
         import cupy
         import cupyx
@@ -286,12 +297,12 @@ def nccl_status() -> str:
     return f"available (NCCL {v // 10000}.{v // 100 % 100}.{v % 100})" if v >= 10000 else f"available (NCCL {v})"
 
 
-def contiguous(array: Any) -> Any:
+def contiguous(array: Array) -> Array:
     """``array`` itself when C-contiguous, else a C-contiguous copy (0-d arrays stay 0-d)."""
     return array if array.flags.c_contiguous else array.copy(order="C")
 
 
-def array_module(array: Any) -> ModuleType:
+def array_module(array: Array) -> ModuleType:
     """``numpy`` or ``cupy``, whichever module ``array`` belongs to."""
     if is_device_array(array):
         import cupy

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any, Callable, NoReturn, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -41,6 +41,9 @@ from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport
 from mpidist._errors import CollectiveMismatchError, CommError, format_ranks, on_rank
 from mpidist._options import Options
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array
 
 __all__ = ["Communicator", "Failures", "Handle", "describe_failures", "duplicate_world"]
 
@@ -150,7 +153,7 @@ class Communicator:
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._transport.broken is None:
             self.free()
 
@@ -160,10 +163,10 @@ class Communicator:
     # -- collectives -------------------------------------------------------------
     def allreduce(
         self,
-        array: Any,
+        array: Array,
         op: Union[ReduceOp, str] = ReduceOp.SUM,
         *,
-        out: Any = None,
+        out: Optional[Array] = None,
         inplace: bool = False,
         name: str = "array",
     ) -> Any:
@@ -182,10 +185,10 @@ class Communicator:
 
     def iallreduce(
         self,
-        array: Any,
+        array: Array,
         op: Union[ReduceOp, str] = ReduceOp.SUM,
         *,
-        out: Any = None,
+        out: Optional[Array] = None,
         inplace: bool = False,
         name: str = "array",
     ) -> Handle:
@@ -198,18 +201,18 @@ class Communicator:
         """
         return self._allreduce(array, op, out, inplace, name, blocking=False)
 
-    def broadcast(self, array: Any, root: int = 0, *, name: str = "array") -> Any:
+    def broadcast(self, array: Array, root: int = 0, *, name: str = "array") -> Any:
         """Collective: overwrite ``array`` on every rank with root's; returns ``array``.
 
         Every rank passes an array of the same shape and dtype.
         """
         return self._broadcast(array, root, name, blocking=True)
 
-    def ibroadcast(self, array: Any, root: int = 0, *, name: str = "array") -> Handle:
+    def ibroadcast(self, array: Array, root: int = 0, *, name: str = "array") -> Handle:
         """Collective, nonblocking :meth:`broadcast`: returns a :class:`Handle`."""
         return self._broadcast(array, root, name, blocking=False)
 
-    def allgather(self, array: Any, *, name: str = "array", out: Any = None) -> Any:
+    def allgather(self, array: Array, *, name: str = "array", out: Optional[Array] = None) -> Any:
         """Collective: concatenate every rank's ``array`` along axis 0, in rank order.
 
         Lengths along axis 0 may differ between ranks; the other dimensions and
@@ -219,13 +222,13 @@ class Communicator:
         """
         return self._allgather(array, name, blocking=True, out=out)
 
-    def iallgather(self, array: Any, *, name: str = "array") -> Handle:
+    def iallgather(self, array: Array, *, name: str = "array") -> Handle:
         """Collective, nonblocking :meth:`allgather`: returns a :class:`Handle`."""
         return self._allgather(array, name, blocking=False)
 
     def reduce_scatter(
         self,
-        array: Any,
+        array: Array,
         op: Union[ReduceOp, str] = ReduceOp.SUM,
         counts: Optional[Sequence[int]] = None,
         *,
@@ -284,8 +287,8 @@ class Communicator:
     # -- many arrays at once ------------------------------------------------------------
     def reduce_apply(
         self,
-        sends: Sequence[Any],
-        targets: Sequence[Any],
+        sends: Sequence[Array],
+        targets: Sequence[Array],
         ops: Sequence[Optional[ReduceOp]],
         fn: UpdateFn,
         names: Sequence[str],
@@ -310,11 +313,11 @@ class Communicator:
 
     def allreduce_many(
         self,
-        arrays: Sequence[Any],
+        arrays: Sequence[Array],
         op: Union[ReduceOp, str] = ReduceOp.SUM,
         names: Optional[Sequence[str]] = None,
         *,
-        out: Optional[Sequence[Any]] = None,
+        out: Optional[Sequence[Array]] = None,
     ) -> list[Any]:
         """Collective: every array reduced by ``op``, as new arrays (or into ``out``); the inputs are left as they are.
 
@@ -328,7 +331,7 @@ class Communicator:
 
     def iallreduce_many(
         self,
-        arrays: Sequence[Any],
+        arrays: Sequence[Array],
         op: Union[ReduceOp, str] = ReduceOp.SUM,
         names: Optional[Sequence[str]] = None,
         then: Callable[[list[Any]], Any] = list,
@@ -366,13 +369,15 @@ class Communicator:
         return self.broadcast(buffer, root, name=name).tobytes()
 
     # -- implementation ------------------------------------------------------------
-    def _op(self, op: Any) -> tuple[Optional[ReduceOp], Optional[Exception]]:
+    def _op(self, op: Union[ReduceOp, str]) -> tuple[Optional[ReduceOp], Optional[Exception]]:
         try:
             return ReduceOp.of(op), None
         except ValueError as exc:
             return None, ValueError(on_rank(self.rank, str(exc)))
 
-    def _allreduce(self, array: Any, op: Any, out: Any, inplace: bool, name: str, blocking: bool) -> Any:
+    def _allreduce(self, array: Array, op: Any, out: Optional[Array], inplace: bool, name: str, blocking: bool) -> Any:
+        # op: a ReduceOp or its name (Any: the per-collective path converts it in place, telling the
+        # two apart by op.__class__, which the type checker does not narrow on)
         error = None
         if op.__class__ is not ReduceOp:
             op, error = self._op(op)
@@ -425,7 +430,7 @@ class Communicator:
             self._transport, agreement.start(call, error, array, self.options.check_finite, then), keep=(array, out)
         )
 
-    def _store(self, carried: np.ndarray, target: Any, op: ReduceOp, name: str) -> None:
+    def _store(self, carried: np.ndarray, target: Array, op: ReduceOp, name: str) -> None:
         """Local: the sums carried by the agreement record (shaped like ``target``) into ``target``."""
         char = target.dtype.char
         if self._checked(op, target):
@@ -438,12 +443,13 @@ class Communicator:
         elif char == "?":
             target[...] = carried != 0
         elif op is ReduceOp.MEAN:
-            np.divide(carried, self.size, out=target, casting="unsafe")
+            # target is a host ndarray (only host data is carried); NumPy's stubs take no Array as out=
+            np.divide(carried, self.size, out=target, casting="unsafe")  # type: ignore[call-overload]
         else:
             target[...] = carried
 
     def _reduce_data(
-        self, array: Any, target: Any, op: ReduceOp, name: str, blocking: bool, *, check: bool = True
+        self, array: Array, target: Array, op: ReduceOp, name: str, blocking: bool, *, check: bool = True
     ) -> Any:
         """Collective, once agreed: ``target`` <- the reduction of every rank's ``array``, in pieces.
 
@@ -480,10 +486,10 @@ class Communicator:
                 divide_in_place(flat_target[lo:hi], self.size)  # while the piece is in cache
         return finish()
 
-    def _checked(self, op: Optional[ReduceOp], array: Any) -> bool:
+    def _checked(self, op: Optional[ReduceOp], array: Array) -> bool:
         return self.options.check_overflow and overflow.applies(op, array.dtype)
 
-    def _checked_sum(self, array: Any, name: str) -> Any:
+    def _checked_sum(self, array: Array, name: str) -> Any:
         """Collective, once agreed: the exact SUM of every rank's integer ``array``, flat, as a new array.
 
         Raises :class:`~mpidist.IntegerOverflowError` on every rank when a sum
@@ -493,10 +499,11 @@ class Communicator:
         self._reduce_data(wide, wide, ReduceOp.SUM, name, blocking=True, check=False)
         return overflow.narrow(wide, array.dtype, name, self.rank)
 
-    def _one_call(self, target: Any) -> bool:
+    def _one_call(self, target: Array) -> bool:
         return target.nbytes <= self.options.piece_bytes and not self.backend.needs_staging(target, self.cuda_aware)
 
-    def _broadcast(self, array: Any, root: Any, name: str, blocking: bool) -> Any:
+    def _broadcast(self, array: Array, root: Any, name: str, blocking: bool) -> Any:
+        # root: Any, what the user passed (checked here)
         error: Optional[Exception] = None
         if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < self.size:
             error = ValueError(
@@ -509,7 +516,7 @@ class Communicator:
         call = Call(Kind.BROADCAST, name, None, *_layout(array, error), root=int(root))
         what = f"broadcast of {name!r}"
 
-        def then(_: Any) -> Any:
+        def then(_: Optional[np.ndarray]) -> Any:
             buf = self.backend.to_mpi(array, self.cuda_aware, reuse=blocking)
 
             def finish() -> Any:
@@ -525,12 +532,12 @@ class Communicator:
 
         return self._agreed(call, error, then, blocking, keep=(array,))
 
-    def _allgather(self, array: Any, name: str, blocking: bool, out: Any = None) -> Any:
+    def _allgather(self, array: Array, name: str, blocking: bool, out: Optional[Array] = None) -> Any:
         error = validate(array, None, name, self.rank)
         call = Call(Kind.ALLGATHER, name, None, *_layout(array, error))
         what = f"allgather of {name!r}"
 
-        def then(_: Any) -> Any:
+        def then(_: Optional[np.ndarray]) -> Any:
             shape = tuple(array.shape) if array.ndim else (1,)
             lengths = np.empty(self.size, dtype=np.int64)
             self._transport.run(f"{what} (lengths)", "Allgather", np.array([shape[0]], dtype=np.int64), lengths)
@@ -559,8 +566,10 @@ class Communicator:
 
         return self._agreed(call, error, then, blocking, keep=(array,))
 
-    def _reduce_scatter(self, array: Any, op: Any, counts: Optional[Sequence[int]], name: str) -> Any:
-        op, error = self._op(op)
+    def _reduce_scatter(
+        self, array: Array, requested: Union[ReduceOp, str], counts: Optional[Sequence[int]], name: str
+    ) -> Any:
+        op, error = self._op(requested)
         error = error or validate(array, op, name, self.rank)
         rows = (array.shape[0] if array.ndim else 1) if error is None else 0
         split: list[int] = []
@@ -584,7 +593,8 @@ class Communicator:
             Kind.REDUCE_SCATTER, name, op, *_layout(array, error), extra=tuple(split) if error is None else None
         )
 
-        def then(_: Any) -> Any:
+        def then(_: Optional[np.ndarray]) -> Any:
+            assert op is not None  # then runs only once every rank's arguments were valid
             row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
             if self._checked(op, array):  # the whole exact sum, then this rank's block of it
                 start = sum(split[: self.rank]) * row
@@ -609,7 +619,12 @@ class Communicator:
         return self._agreed(call, error, then, blocking=True)
 
     def _agreed(
-        self, call: Call, error: Optional[Exception], then: Callable[[Any], Any], blocking: bool, keep: tuple = ()
+        self,
+        call: Call,
+        error: Optional[Exception],
+        then: Callable[[Optional[np.ndarray]], Any],
+        blocking: bool,
+        keep: tuple = (),
     ) -> Any:
         """Collective: run ``then`` once the ranks agreed on ``call`` (directly when agreement is off)."""
         if not self._agreement.enabled:
@@ -623,7 +638,7 @@ class Communicator:
             return ticket.wait()
         return Handle(self._transport, ticket, keep=keep)
 
-    def _check_gather_out(self, out: Any, shape: tuple, dtype: Any, name: str) -> None:
+    def _check_gather_out(self, out: Any, shape: tuple, dtype: np.dtype[Any], name: str) -> None:
         """Collective: every rank's ``out=`` of an allgather fits the result, or every rank raises."""
         fits = (
             getattr(out, "shape", None) == shape
@@ -651,7 +666,7 @@ class Communicator:
                 )
             )
 
-    def _out_error(self, array: Any, out: Any, name: str) -> Optional[Exception]:
+    def _out_error(self, array: Array, out: Any, name: str) -> Optional[Exception]:
         if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
             got = f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}"
             return ValueError(

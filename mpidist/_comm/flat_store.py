@@ -13,18 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from mpidist._comm.backend import data_pointer
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from mpidist._typing import Array
 
 __all__ = ["FlatStore", "joinable", "span", "zeros_like_layout"]
 
 _SLAB_BYTES = 64 << 20
 
 
-def _owner(array: Any) -> Optional[tuple[Any, int]]:
+def _owner(array: Array) -> Optional[tuple[Array, int]]:
     """``(flat view of the buffer array is a view of, offset of array in it)``, or ``None``."""
     base = array.base
     if (
@@ -41,14 +46,14 @@ def _owner(array: Any) -> Optional[tuple[Any, int]]:
     return base.reshape(-1), offset
 
 
-def joinable(a: Any, b: Any) -> bool:
+def joinable(a: Array, b: Array) -> bool:
     """Whether ``b`` starts right where ``a`` ends, in the same buffer and with the same dtype."""
     if a.dtype != b.dtype or a.base is None or a.base is not b.base or not b.flags.c_contiguous:
         return False
     return a.flags.c_contiguous and data_pointer(a) + a.nbytes == data_pointer(b)
 
 
-def span(arrays: Sequence[Any]) -> Any:
+def span(arrays: Sequence[Array]) -> Array:
     """A flat view of the memory of ``arrays``: one array, or a span of :func:`joinable` ones."""
     if len(arrays) == 1:
         return arrays[0].reshape(-1)
@@ -70,7 +75,7 @@ class FlatStore:
         self._slab_bytes = slab_bytes
         self._open: dict[str, tuple[Any, int]] = {}  # dtype -> (slab, elements handed out)
 
-    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
+    def zeros(self, shape: Sequence[int], dtype: DTypeLike) -> Array:
         """A zero-filled C-contiguous array of ``shape`` and ``dtype``, a view of a shared slab."""
         dtype = np.dtype(dtype)
         n = int(np.prod(shape, dtype=np.int64))
@@ -84,13 +89,13 @@ class FlatStore:
         return buffer[used : used + n].reshape(shape)
 
 
-def zeros_like_layout(arrays: Sequence[Any], xp: ModuleType) -> list[Any]:
+def zeros_like_layout(arrays: Sequence[Array], xp: ModuleType) -> list[Array]:
     """Zero-filled arrays shaped like ``arrays``, where spans of joinable arrays get joinable results.
 
     One buffer per span, so a fused reduction of the results needs no packing
     when ``arrays`` need none. Local.
     """
-    result: list[Any] = []
+    result: list[Array] = []
     start = 0
     while start < len(arrays):
         end = start + 1

@@ -29,7 +29,7 @@ Each MPI call's reduction algorithm is the one
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -43,10 +43,13 @@ from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.transport import Transport
 from mpidist._errors import on_rank
 
+if TYPE_CHECKING:
+    from mpidist._typing import Array
+
 __all__ = ["Fusion", "UpdateFn"]
 
 Op = Optional[ReduceOp]  # None: rank 0's value
-UpdateFn = Callable[[Any, Any], Any]
+UpdateFn = Callable[["Array", "Array"], Any]  # fn(target, reduced values), see Fusion.reduce_apply
 
 
 class Fusion:
@@ -64,13 +67,13 @@ class Fusion:
         self._backend = backend
         self._cuda_aware = cuda_aware
         self._options = transport.options
-        self._buckets: dict[tuple[type, np.dtype], Any] = {}
+        self._buckets: dict[tuple[type, np.dtype], Array] = {}
 
     # -- reduce and apply ------------------------------------------------------------
     def reduce_apply(
         self,
-        sends: Sequence[Any],
-        targets: Sequence[Any],
+        sends: Sequence[Array],
+        targets: Sequence[Array],
         ops: Sequence[Op],
         fn: UpdateFn,
         names: Sequence[str],
@@ -138,14 +141,20 @@ class Fusion:
         self._agree(sends, ops, names, error, then)
 
     def _reduce_apply(
-        self, what: str, sends: Sequence[Any], targets: Sequence[Any], ops: Sequence[Op], fn: UpdateFn, in_place: bool
+        self,
+        what: str,
+        sends: Sequence[Array],
+        targets: Sequence[Array],
+        ops: Sequence[Op],
+        fn: UpdateFn,
+        in_place: bool,
     ) -> None:
         if len(sends) == 1:  # the per-update latency path
             self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place)
             return
         limit = min(self._options.fusion_bytes, self._options.piece_bytes)
         for op, members in self._groups(sends, ops):
-            bucket: list[tuple[Any, Any]] = []
+            bucket: list[tuple[Array, Array]] = []
             used = 0
             for send, target in _spans([sends[i] for i in members], [targets[i] for i in members]):
                 if send.nbytes > limit:  # large: reduce it where it is
@@ -161,8 +170,8 @@ class Fusion:
     def _checked_apply(
         self,
         what: str,
-        sends: Sequence[Any],
-        targets: Sequence[Any],
+        sends: Sequence[Array],
+        targets: Sequence[Array],
         ops: Sequence[Op],
         fn: UpdateFn,
         names: Sequence[str],
@@ -195,7 +204,7 @@ class Fusion:
                 what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest], fn, in_place
             )
 
-    def _stream(self, what: str, send: Any, target: Any, op: Op, fn: UpdateFn, in_place: bool) -> None:
+    def _stream(self, what: str, send: Array, target: Array, op: Op, fn: UpdateFn, in_place: bool) -> None:
         """Reduce the flat ``send`` piece by piece (into the bucket, or where it is), applying ``fn`` after each.
 
         :func:`_into` (``allreduce_many`` with ``out=``) reduces straight into the target: no scratch copy.
@@ -224,7 +233,7 @@ class Fusion:
                 else self._transfer(what, send[lo:hi], bucket[: hi - lo], op),
             )
 
-    def _flush(self, what: str, spans: list[tuple[Any, Any]], op: Op, fn: UpdateFn, in_place: bool) -> None:
+    def _flush(self, what: str, spans: list[tuple[Array, Array]], op: Op, fn: UpdateFn, in_place: bool) -> None:
         """Pack ``spans`` (flat sends and targets, together at most one bucket) and reduce them with one call."""
         if len(spans) <= 1:
             for send, target in spans:
@@ -245,7 +254,7 @@ class Fusion:
 
     # -- reductions that return new arrays -------------------------------------------------
     def allreduce_many(
-        self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str], out: Optional[Sequence[Any]] = None
+        self, arrays: Sequence[Array], op: ReduceOp, names: Sequence[str], out: Optional[Sequence[Array]] = None
     ) -> list[Any]:
         """Collective: every array reduced by ``op``, into ``out`` or new arrays; the inputs are left as they are.
 
@@ -266,7 +275,7 @@ class Fusion:
         return results
 
     def iallreduce_many(
-        self, arrays: Sequence[Any], op: ReduceOp, names: Sequence[str], then: Callable[[list[Any]], Any] = list
+        self, arrays: Sequence[Array], op: ReduceOp, names: Sequence[str], then: Callable[[list[Any]], Any] = list
     ) -> Handle:
         """Collective, nonblocking :meth:`allreduce_many`: ``wait()`` returns ``then(list of results)``.
 
@@ -287,7 +296,7 @@ class Fusion:
                 results[i][...] = arrays[i]
             copies.append(out)
 
-        def start(_: Any) -> tuple[list[Any], Callable[[], Any]]:
+        def start(_: Optional[np.ndarray]) -> tuple[list[Any], Callable[[], Any]]:
             requests: list[Any] = []
             steps: list[Callable[[], None]] = []
             for out in copies:
@@ -298,7 +307,7 @@ class Fusion:
                 )
                 requests += started
 
-                def step(out: Any = out, host: Any = host, complete: Callable[[], None] = complete) -> None:
+                def step(out: Array = out, host: Array = host, complete: Callable[[], None] = complete) -> None:
                     complete()
                     self._backend.from_mpi(out, host)
                     if op is ReduceOp.MEAN:
@@ -327,7 +336,7 @@ class Fusion:
         return Handle(t, ticket, keep=tuple(copies))
 
     # -- agreement ------------------------------------------------------------------------
-    def _error(self, arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> Optional[Exception]:
+    def _error(self, arrays: Sequence[Array], ops: Sequence[Op], names: Sequence[str]) -> Optional[Exception]:
         """Local: the first invalid argument of the list, or ``None``."""
         for a, op, name in zip(arrays, ops, names):
             error = validate(a, op, name, self._transport.rank)
@@ -336,7 +345,7 @@ class Fusion:
         return None
 
     @staticmethod
-    def _call(arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> Call:
+    def _call(arrays: Sequence[Array], ops: Sequence[Op], names: Sequence[str]) -> Call:
         """What the ranks agree on: one array's own call, or the whole list's layout and names."""
         if len(arrays) == 1:
             a = arrays[0]
@@ -347,7 +356,7 @@ class Fusion:
 
     def _agree(
         self,
-        arrays: Sequence[Any],
+        arrays: Sequence[Array],
         ops: Sequence[Op],
         names: Sequence[str],
         error: Optional[Exception],
@@ -368,7 +377,7 @@ class Fusion:
         ).wait()
 
     # -- shared parts ---------------------------------------------------------------------
-    def _outputs(self, arrays: Sequence[Any], members: list[int], results: list[Any]) -> Any:
+    def _outputs(self, arrays: Sequence[Array], members: list[int], results: list[Any]) -> Array:
         """A new flat buffer for ``arrays[members]``; fills ``results[members]`` with views of it."""
         first = arrays[members[0]]
         out = array_module(first).empty(sum(arrays[i].size for i in members), dtype=first.dtype)
@@ -378,7 +387,7 @@ class Fusion:
             offset += arrays[i].size
         return out
 
-    def _bucket(self, like: Any) -> Any:
+    def _bucket(self, like: Array) -> Array:
         """The reusable bucket for ``like``'s module and dtype: ``options.piece_bytes`` (at least one element)."""
         key = (type(like), like.dtype)
         bucket = self._buckets.get(key)
@@ -387,7 +396,7 @@ class Fusion:
             self._buckets[key] = bucket
         return bucket
 
-    def _transfer(self, what: str, send: Any, buf: Any, op: Op) -> Any:
+    def _transfer(self, what: str, send: Optional[Array], buf: Array, op: Op) -> Array:
         """One MPI call: the reduction of every rank's ``send`` (``buf`` if ``None``); returns where it is.
 
         The result is in ``buf``, except for ``op`` ``None`` on rank 0, which
@@ -416,7 +425,7 @@ class Fusion:
         return buf
 
     @staticmethod
-    def _groups(arrays: Sequence[Any], ops: Sequence[Op]) -> list[tuple[Op, list[int]]]:
+    def _groups(arrays: Sequence[Array], ops: Sequence[Op]) -> list[tuple[Op, list[int]]]:
         """Indices of ``arrays`` grouped by (dtype, op), groups and members in order of first appearance."""
         groups: dict[tuple[str, Op], list[int]] = {}
         for i, (a, op) in enumerate(zip(arrays, ops)):
@@ -424,11 +433,11 @@ class Fusion:
         return [(key[1], members) for key, members in groups.items()]
 
 
-def _assign(target: Any, reduced: Any) -> None:
+def _assign(target: Array, reduced: Array) -> None:
     target[...] = reduced
 
 
-def _into(target: Any, reduced: Any) -> None:
+def _into(target: Array, reduced: Array) -> None:
     """:func:`_assign` for targets the caller already uses (``out=``): large ones are reduced into directly.
 
     Not for new arrays: MPI writing into memory never touched yet (each page
@@ -438,9 +447,9 @@ def _into(target: Any, reduced: Any) -> None:
     target[...] = reduced
 
 
-def _spans(sends: Sequence[Any], targets: Sequence[Any]) -> list[tuple[Any, Any]]:
+def _spans(sends: Sequence[Array], targets: Sequence[Array]) -> list[tuple[Array, Array]]:
     """Flat (send, target) spans: consecutive pairs whose sends and targets both lie back to back join."""
-    spans: list[tuple[Any, Any]] = []
+    spans: list[tuple[Array, Array]] = []
     start = 0
     for i in range(1, len(sends) + 1):
         if i < len(sends) and joinable(sends[i - 1], sends[i]) and joinable(targets[i - 1], targets[i]):
@@ -450,7 +459,7 @@ def _spans(sends: Sequence[Any], targets: Sequence[Any]) -> list[tuple[Any, Any]
     return spans
 
 
-def _what(arrays: Sequence[Any], ops: Sequence[Op], names: Sequence[str]) -> str:
+def _what(arrays: Sequence[Array], ops: Sequence[Op], names: Sequence[str]) -> str:
     if len(arrays) == 1:
         return ("broadcast of " if ops[0] is None else "allreduce of ") + repr(names[0])
     listed = ", ".join(repr(n) for n in names[:3])
@@ -467,7 +476,7 @@ def _cast(carried: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return carried.astype(dtype, copy=False)
 
 
-def _out_error(arrays: Sequence[Any], out: Sequence[Any], rank: int) -> Optional[Exception]:
+def _out_error(arrays: Sequence[Array], out: Sequence[Any], rank: int) -> Optional[Exception]:
     """Local: why ``out`` cannot hold the reductions of ``arrays``, or ``None``."""
     if len(out) != len(arrays):
         return ValueError(on_rank(rank, f"out= holds {len(out)} arrays for {len(arrays)} values"))

@@ -15,7 +15,8 @@ is written.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
@@ -23,18 +24,21 @@ from mpidist._comm.backend import array_module
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._errors import IntegerOverflowError, on_rank
 
+if TYPE_CHECKING:
+    from mpidist._typing import Array
+
 __all__ = ["applies", "narrow", "widen"]
 
 _LOW = 0xFFFFFFFF
 _SHOWN = 10
 
 
-def applies(op: Optional[ReduceOp], dtype: Any) -> bool:
+def applies(op: Optional[ReduceOp], dtype: np.dtype[Any]) -> bool:
     """Whether a reduction by ``op`` of ``dtype`` is checked: SUM of signed or unsigned integers."""
     return op is ReduceOp.SUM and dtype.kind in "iu"
 
 
-def widen(array: Any) -> Any:
+def widen(array: Array) -> Array:
     """A flat ``int64`` array whose elementwise SUM over ranks is exact (see the module docstring)."""
     xp = array_module(array)
     flat = array.reshape(-1)
@@ -50,7 +54,7 @@ def widen(array: Any) -> Any:
     return wide
 
 
-def narrow(wide: Any, dtype: np.dtype, name: str, rank: int) -> Any:
+def narrow(wide: Array, dtype: np.dtype[Any], name: str, rank: int) -> Array:
     """The exact sums held by ``wide`` (a reduced :func:`widen`) as a flat array of ``dtype``.
 
     Raises :class:`~mpidist.IntegerOverflowError` when a sum does not fit.
@@ -73,7 +77,9 @@ def narrow(wide: Any, dtype: np.dtype, name: str, rank: int) -> Any:
     return ((high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)).view(dtype)
 
 
-def _refuse(xp: Any, bad: Any, exact: Any, dtype: np.dtype, name: str, rank: int) -> None:
+def _refuse(
+    xp: ModuleType, bad: Array, exact: Callable[[int], int], dtype: np.dtype[Any], name: str, rank: int
+) -> None:
     indices = [int(i) for i in xp.flatnonzero(bad)[:_SHOWN].tolist()]
     count = int(bad.sum())
     info = np.iinfo(dtype)

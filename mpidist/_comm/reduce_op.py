@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array
 
 __all__ = ["ReduceOp", "divide_in_place"]
 
@@ -37,7 +40,7 @@ class ReduceOp(enum.Enum):
         raise ValueError(f"unknown reduce op {op!r}; expected a ReduceOp ({names}) or its name")
 
 
-def divide_in_place(array: Any, ranks: int) -> None:
+def divide_in_place(array: Array, ranks: int) -> None:
     """Local: ``array /= ranks`` (the last step of ``MEAN``), as a multiplication when that is exact.
 
     For a power of two, ``x * (1 / ranks)`` is the same number as ``x / ranks``

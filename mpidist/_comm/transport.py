@@ -12,7 +12,7 @@ algorithm reduces them is the business of the layers above
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -21,6 +21,9 @@ from mpidist._comm.deadline import Deadline
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._errors import CommError, on_rank
 from mpidist._options import Options
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array
 
 __all__ = ["Transport"]
 
@@ -114,11 +117,11 @@ class Transport(Deadline):
         return bool(MPI.Request.Testall(requests))
 
     @staticmethod
-    def mpi_op(op: ReduceOp, dtype: np.dtype) -> MPI.Op:
+    def mpi_op(op: ReduceOp, dtype: np.dtype[Any]) -> MPI.Op:
         """Local: the MPI operation of ``op`` for ``dtype`` (logical ones for bool)."""
         return _BOOL_OPS[op] if dtype.char == "?" else _MPI_OPS[op]
 
-    def broadcast(self, what: str, buf: Any, root: int) -> None:
+    def broadcast(self, what: str, buf: Array, root: int) -> None:
         """Collective: root's MPI-ready ``buf`` into every rank's."""
         self.run(what, "Bcast", buf, root)
 

@@ -66,7 +66,7 @@ class enter_context:
     def __enter__(self) -> None:
         _stack.frames.append(self._frame)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         _stack.frames.pop()
 
 

@@ -29,10 +29,11 @@ from mpidist._values.values import DistributedValues, PerReplica, regroup
 
 if TYPE_CHECKING:
     from mpidist._distribute.strategy import MPIStrategy
+    from mpidist._typing import Array
 
 __all__ = ["StrategyExtended"]
 
-UpdateFn = Callable[[Any, Any], Any]
+UpdateFn = Callable[["Array", "Array"], Any]  # fn(component, reduced value), see update_mirrored
 AnyReduceOp = Union[ReduceOp, VariableAggregation, str]
 
 # How a variable's aggregation combines the replicas' values; None: replica 0's value. NONE
@@ -70,15 +71,16 @@ class StrategyExtended:
         return self._comm
 
     # -- components -----------------------------------------------------------------------
-    def local(self, value: Any) -> Any:
-        """Local: this rank's component of ``value`` as an array of the backend's module."""
+    def local(self, value: Any) -> Array:
+        """Local: this rank's component of ``value`` (a distributed value, an array, a number, ...) as an
+        array of the backend's module."""
         if isinstance(value, DistributedValues):
             value = value.get(self._comm.rank)
         if hasattr(value, "dtype") and hasattr(value, "shape"):
             return value
         return self._comm.backend.asarray(value)
 
-    def place(self, component: Any) -> Any:
+    def place(self, component: Array) -> Array:
         """Local: where a new mirrored variable keeps ``component`` (a view of flat storage with ``flat_variables``)."""
         if self._flat is None:
             return component
@@ -95,9 +97,10 @@ class StrategyExtended:
         """
         if isinstance(reduce_op, str):
             try:
-                reduce_op = VariableAggregation(reduce_op.lower())
+                aggregation = VariableAggregation(reduce_op.lower())
             except ValueError:
                 return self._op(reduce_op)
+            reduce_op = aggregation
         if isinstance(reduce_op, VariableAggregation):
             if reduce_op is VariableAggregation.NONE:
                 raise ValueError(
@@ -110,7 +113,7 @@ class StrategyExtended:
             return _AGGREGATION_OPS[reduce_op]
         return self._op(reduce_op)
 
-    def _op(self, reduce_op: Any) -> ReduceOp:
+    def _op(self, reduce_op: Union[ReduceOp, str]) -> ReduceOp:
         try:
             return ReduceOp.of(reduce_op)
         except ValueError as exc:
@@ -184,7 +187,7 @@ class StrategyExtended:
             then=lambda results: pack_sequence_as(value, results),
         )
 
-    def aggregate(self, aggregation: VariableAggregation, value: Any, name: str) -> Any:
+    def aggregate(self, aggregation: VariableAggregation, value: Array, name: str) -> Any:
         """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array)."""
         local = self.local(value)
         op = _AGGREGATION_OPS[aggregation]
@@ -192,7 +195,7 @@ class StrategyExtended:
             return self._comm.broadcast(local.copy(), root=0, name=name)
         return self._comm.allreduce(local, op, name=name)
 
-    def broadcast_from_first(self, array: Any, name: str) -> None:
+    def broadcast_from_first(self, array: Array, name: str) -> None:
         """Collective: overwrite ``array`` with replica 0's, in place."""
         self._comm.broadcast(array, root=0, name=name)
 
@@ -265,7 +268,7 @@ class StrategyExtended:
         return ReplicaContext(self._strategy, self._comm.rank)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _prepared(self, op: ReduceOp, value: Any) -> Any:
+    def _prepared(self, op: ReduceOp, value: Any) -> Array:
         """This rank's component of ``value`` as a contiguous array ``op`` can reduce (MEAN of integers: float64)."""
         local = self.local(value)
         if op is ReduceOp.MEAN and local.dtype.kind in "iub":
@@ -273,7 +276,7 @@ class StrategyExtended:
         return contiguous(local)
 
     @staticmethod
-    def _axis_sum(op: ReduceOp, local: Any, axis: int) -> tuple[Any, Any]:
+    def _axis_sum(op: ReduceOp, local: Array, axis: int) -> tuple[Array, np.ndarray]:
         """Local: this rank's sum along ``axis`` and its element count there (for ``MEAN``)."""
         if op not in (ReduceOp.SUM, ReduceOp.MEAN):
             raise ValueError(f"reduce with axis= supports SUM and MEAN, not {op.name}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import fractions
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
@@ -28,6 +28,13 @@ from mpidist._distribute.context import get_replica_context, require_strategy
 from mpidist._distribute.variables import Variable, VariableAggregation, VariableSynchronization
 from mpidist._errors import on_rank
 from mpidist._values.values import DistributedValues
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    from mpidist._typing import Array
+
+    Values = Union[Array, ArrayLike]  # an array (NumPy, CuPy, a distributed value), or what numpy.asarray takes
 
 __all__ = ["Accuracy", "Mean", "Sum", "exact_decode", "exact_encode", "exact_sum"]
 
@@ -39,7 +46,7 @@ _NAN, _POSINF, _NEGINF = _LIMBS, _LIMBS + 1, _LIMBS + 2
 WIDTH = _LIMBS + 3  # limbs, then the counts of NaN, +inf and -inf
 
 
-def exact_sum(values: Any) -> np.ndarray:
+def exact_sum(values: Values) -> np.ndarray:
     """The exact sum of ``values`` (converted to float64) as an accumulator row of ``WIDTH`` int64. Local.
 
     The limbs may be unnormalised (any int64); :func:`exact_decode` and
@@ -167,7 +174,7 @@ class Sum(_ExactMetric):
     ``strategy.run``); ``result()`` is collective.
     """
 
-    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+    def update_state(self, values: Values, sample_weight: Optional[Values] = None) -> None:
         """Add ``values`` (times ``sample_weight``, broadcast to their shape). Local."""
         values, weights = _weighted(values, sample_weight)
         self._add(exact_sum(values if weights is None else values * weights)[None])
@@ -187,7 +194,7 @@ class Mean(_ExactMetric):
 
     _rows = 2
 
-    def update_state(self, values: Any, sample_weight: Any = None) -> None:
+    def update_state(self, values: Values, sample_weight: Optional[Values] = None) -> None:
         """Add ``values`` with weights ``sample_weight`` (default 1, broadcast to their shape). Local."""
         values, weights = _weighted(values, sample_weight)
         count = exact_sum(np.ones(values.size) if weights is None else weights)
@@ -210,7 +217,9 @@ class Accuracy(Mean):
     last axis is compared); otherwise values are compared directly. Local.
     """
 
-    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:  # type: ignore[override]
+    def update_state(  # type: ignore[override]
+        self, y_true: Values, y_pred: Values, sample_weight: Optional[Values] = None
+    ) -> None:
         true = np.asarray(to_host(_local(y_true)))
         pred = np.asarray(to_host(_local(y_pred)))
         if pred.ndim == true.ndim + 1:
@@ -227,7 +236,7 @@ class Accuracy(Mean):
         super().update_state((pred == true).astype(np.float64), sample_weight)
 
 
-def _weighted(values: Any, sample_weight: Any) -> tuple[np.ndarray, Optional[np.ndarray]]:
+def _weighted(values: Values, sample_weight: Optional[Values]) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """Host float64 ``values`` and weights of their shape, without the weight-0 entries. Local."""
     x = np.asarray(to_host(_local(values)), dtype=np.float64)
     if sample_weight is None:

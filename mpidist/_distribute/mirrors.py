@@ -14,11 +14,16 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mpidist._comm.backend import to_host
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    from mpidist._typing import Array
 
 __all__ = ["PIECE_BYTES", "diverged", "fingerprint", "host_bytes"]
 
@@ -26,14 +31,14 @@ __all__ = ["PIECE_BYTES", "diverged", "fingerprint", "host_bytes"]
 PIECE_BYTES = 8 << 20
 
 
-def host_bytes(value: Any, lo: int, hi: int) -> np.ndarray:
+def host_bytes(value: Array, lo: int, hi: int) -> np.ndarray:
     """Local: bytes ``[lo, hi)`` of array ``value`` (NumPy or a device array) as a host ``uint8`` array."""
     itemsize = value.dtype.itemsize
     part = to_host(value.reshape(-1)[lo // itemsize : hi // itemsize])
     return np.ascontiguousarray(part).view(np.uint8)
 
 
-def fingerprint(value: Any, threads: int = 1) -> int:
+def fingerprint(value: Array, threads: int = 1) -> int:
     """Local: the CRC-32 of the CRC-32s of every piece of array ``value``'s bytes (pieces on ``threads`` threads)."""
     nbytes = int(value.nbytes)
 
@@ -49,14 +54,14 @@ def fingerprint(value: Any, threads: int = 1) -> int:
     return zlib.crc32(np.array(crcs, np.uint32).tobytes())
 
 
-def diverged(names: Sequence[str], table: Any) -> dict[str, tuple[int, ...]]:
+def diverged(names: Sequence[str], table: ArrayLike) -> dict[str, tuple[int, ...]]:
     """Local: ``{name: ranks whose fingerprint differs from rank 0's}`` for the names that differ anywhere.
 
     ``table[r][i]`` is rank ``r``'s fingerprint of ``names[i]``; every rank
     passes the same table, so all find the same answer.
     """
-    table = np.asarray(table, dtype=np.int64)
-    differ = table != table[0]
+    fingerprints = np.asarray(table, dtype=np.int64)
+    differ = fingerprints != fingerprints[0]
     return {
         name: tuple(int(r) for r in np.nonzero(differ[:, i])[0]) for i, name in enumerate(names) if differ[:, i].any()
     }

@@ -31,6 +31,7 @@ main thread), so they are safe at any moment, also inside a collective.
 from __future__ import annotations
 
 import signal as _signal
+from types import FrameType
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -121,7 +122,7 @@ class Stopper:
             _signal.signal(number, handler if handler is not None else _signal.SIG_DFL)
         self._handlers.clear()
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         self.signal = signum
         self.request()
 

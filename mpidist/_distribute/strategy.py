@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -29,6 +29,10 @@ from mpidist._input.multistep import run_steps_on_dataset
 from mpidist._options import Options
 from mpidist._values.nest import flatten, is_number, map_structure
 from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from numpy.typing import ArrayLike
 
 __all__ = ["MPIStrategy"]
 
@@ -60,7 +64,7 @@ class MPIStrategy:
             ``ValueError``.
     """
 
-    def __init__(self, comm: Any = None, **options: Any) -> None:
+    def __init__(self, comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
         self.options = Options.resolve(**options)
         self._own_comm = comm is None
         self.comm = duplicate_world() if comm is None else comm
@@ -168,7 +172,7 @@ class MPIStrategy:
         """
         return self._extended.reduce_async(reduce_op, value)
 
-    def gather(self, value: Any, axis: int = 0) -> Any:
+    def gather(self, value: ArrayLike, axis: int = 0) -> Any:
         """Collective: concatenate all replicas' components along ``axis``, in replica order.
 
         Components may differ in length along ``axis``; the other dimensions
@@ -181,7 +185,7 @@ class MPIStrategy:
         moved = contiguous(xp.moveaxis(local, axis, 0))
         return xp.moveaxis(self._communicator.allgather(moved, name="gather"), 0, axis)
 
-    def broadcast(self, value: Any, root: int = 0) -> Any:
+    def broadcast(self, value: ArrayLike, root: int = 0) -> Any:
         """Collective: root's ``value`` (an array or number, the same shape on every rank) on every rank."""
         array = self.backend.asarray(self._extended.local(value)).copy()
         return self._communicator.broadcast(array, root=root, name="broadcast")
@@ -213,7 +217,7 @@ class MPIStrategy:
         """
         return self._stopper.should_stop(check_every)
 
-    def stop_on_signals(self, *signals: Any) -> dict[int, Any]:
+    def stop_on_signals(self, *signals: Union[int, str]) -> dict[int, Any]:
         """Local: make these signals (default ``SIGUSR1`` and ``SIGTERM``) call :meth:`request_stop`.
 
         Signals are ``signal.SIGUSR1``, numbers or names (``"USR1"``). Call it
@@ -247,7 +251,7 @@ class MPIStrategy:
         """
         return distribute_datasets_from_function(self, dataset_fn, **options)
 
-    def run_steps_on_dataset(self, fn: Callable[..., Any], iterator: Any, iterations: int) -> Any:
+    def run_steps_on_dataset(self, fn: Callable[..., Any], iterator: Iterator[Any], iterations: int) -> Any:
         """Run ``fn(ctx, inputs)`` for up to ``iterations`` steps; returns the ``MultiStepContext``.
 
         See :func:`mpidist._input.multistep.run_steps_on_dataset`.

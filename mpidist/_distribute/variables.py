@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import enum
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 
 import numpy as np
 
@@ -40,7 +41,10 @@ from mpidist._errors import on_rank
 from mpidist._values.values import DistributedValues, Mirrored, PerReplica, register_component
 
 if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
+
     from mpidist._distribute.strategy import MPIStrategy
+    from mpidist._typing import Array
 
 __all__ = [
     "MirroredVariable",
@@ -81,7 +85,7 @@ def _is_integer(dtype: np.dtype) -> bool:
     return np.dtype(dtype).kind in "iub"
 
 
-def _split_exactly(total: Any, parts: int, index: int, xp: Any) -> Any:
+def _split_exactly(total: Array, parts: int, index: int, xp: ModuleType) -> Array:
     """Share ``index`` of ``total`` split into ``parts`` integer shares that add up to ``total`` exactly."""
     quotient, remainder = xp.divmod(total, parts)
     return quotient + (remainder > index).astype(quotient.dtype)
@@ -112,7 +116,7 @@ class Policy:
 
     synchronization: VariableSynchronization
 
-    def update(self, var: DistributedVariable, kind: str, value: Any) -> Any:
+    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> Any:
         """Collective or local, as the variable classes say: ``kind`` (``"assign"``, ``"assign_add"``,
         ``"assign_sub"``) of ``value``; returns ``var``."""
         raise NotImplementedError
@@ -121,7 +125,7 @@ class Policy:
         """Collective or local, as the variable classes say: the variable's value in the current context."""
         raise NotImplementedError
 
-    def save_value(self, var: DistributedVariable, first_replica: bool) -> Any:
+    def save_value(self, var: DistributedVariable, first_replica: bool) -> Array:
         """Collective: the array a checkpoint stores for ``var`` (rank 0's component with ``first_replica``)."""
         raise NotImplementedError
 
@@ -129,11 +133,11 @@ class Policy:
         """Local: what must be the same on every rank before a save (``None``: components may differ)."""
         raise NotImplementedError
 
-    def restore_target(self, var: DistributedVariable) -> Any:
+    def restore_target(self, var: DistributedVariable) -> Optional[Array]:
         """Local: the array a restore may overwrite with the saved value directly, or ``None``."""
         raise NotImplementedError
 
-    def restore(self, var: DistributedVariable, value: Any) -> None:
+    def restore(self, var: DistributedVariable, value: ArrayLike) -> None:
         """Local: set ``var`` to a value its save stored (what a cross-replica ``assign`` does)."""
         raise NotImplementedError
 
@@ -143,7 +147,7 @@ class OnWritePolicy(Policy):
 
     synchronization = VariableSynchronization.ON_WRITE
 
-    def update(self, var: DistributedVariable, kind: str, value: Any) -> Any:
+    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> Any:
         if get_replica_context() is None:
             if in_cross_replica_context():
                 UPDATES[kind](var.component, var.coerce(value))
@@ -161,7 +165,7 @@ class OnWritePolicy(Policy):
     def read(self, var: DistributedVariable) -> Any:
         return var.component
 
-    def save_value(self, var: DistributedVariable, first_replica: bool) -> Any:
+    def save_value(self, var: DistributedVariable, first_replica: bool) -> Array:
         """Collective: the component; with ``first_replica`` rank 0's, broadcast (the variable is not changed)."""
         if not first_replica:
             return var.component
@@ -173,10 +177,10 @@ class OnWritePolicy(Policy):
     def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
         return fingerprint(var.component, threads)
 
-    def restore_target(self, var: DistributedVariable) -> Any:
+    def restore_target(self, var: DistributedVariable) -> Optional[Array]:
         return var.component
 
-    def restore(self, var: DistributedVariable, value: Any) -> None:
+    def restore(self, var: DistributedVariable, value: ArrayLike) -> None:
         UPDATES["assign"](var.component, var.coerce(value))
 
 
@@ -185,7 +189,7 @@ class OnReadPolicy(Policy):
 
     synchronization = VariableSynchronization.ON_READ
 
-    def update(self, var: DistributedVariable, kind: str, value: Any) -> Any:
+    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> Any:
         if get_replica_context() is not None:
             UPDATES[kind](var.component, var.coerce(value))
             return var
@@ -207,7 +211,7 @@ class OnReadPolicy(Policy):
             return var.component
         return self._aggregate(var)
 
-    def save_value(self, var: DistributedVariable, first_replica: bool) -> Any:
+    def save_value(self, var: DistributedVariable, first_replica: bool) -> Array:
         """Collective: the components reduced by the aggregation (``NONE``: summed, with a warning)."""
         cast("SyncOnReadVariable", var).warn_if_not_restorable()  # this policy's variables are sync-on-read
         return self._aggregate(var)
@@ -215,17 +219,17 @@ class OnReadPolicy(Policy):
     def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
         return None
 
-    def restore_target(self, var: DistributedVariable) -> Any:
+    def restore_target(self, var: DistributedVariable) -> Optional[Array]:
         return None  # the value is split over the ranks
 
-    def restore(self, var: DistributedVariable, value: Any) -> None:
+    def restore(self, var: DistributedVariable, value: ArrayLike) -> None:
         """Local: ``SUM`` values split over the replicas (exactly, for integers), other aggregations set as given."""
-        value = var.coerce(value)
+        array = var.coerce(value)
         strategy = var.strategy
         if var.aggregation is VariableAggregation.SUM:
             n, rank = strategy.num_replicas_in_sync, strategy.rank
-            value = _split_exactly(value, n, rank, strategy.backend.xp) if _is_integer(var.dtype) else value / n
-        var.component[...] = value
+            array = _split_exactly(array, n, rank, strategy.backend.xp) if _is_integer(var.dtype) else array / n
+        var.component[...] = array
 
     @staticmethod
     def _aggregate(var: DistributedVariable) -> Any:
@@ -245,7 +249,7 @@ class DistributedVariable(DistributedValues):
     """
 
     def __init__(
-        self, strategy: MPIStrategy, component: Any, name: str, aggregation: VariableAggregation, policy: Policy
+        self, strategy: MPIStrategy, component: Array, name: str, aggregation: VariableAggregation, policy: Policy
     ) -> None:
         super().__init__({strategy.rank: component})
         # This rank's component, updated in place. A plain attribute, not a property: every
@@ -315,19 +319,19 @@ class DistributedVariable(DistributedValues):
         """A host NumPy copy of :meth:`read_value` (collective where ``read_value`` is)."""
         return np.array(to_host(self.read_value()))
 
-    def assign(self, value: Any) -> DistributedVariable:
+    def assign(self, value: ArrayLike) -> DistributedVariable:
         """Set the value (collective for a mirrored variable in replica context)."""
         return self._policy.update(self, "assign", value)
 
-    def assign_add(self, value: Any) -> DistributedVariable:
+    def assign_add(self, value: ArrayLike) -> DistributedVariable:
         """Add to the value (collective for a mirrored variable in replica context)."""
         return self._policy.update(self, "assign_add", value)
 
-    def assign_sub(self, value: Any) -> DistributedVariable:
+    def assign_sub(self, value: ArrayLike) -> DistributedVariable:
         """Subtract from the value (collective for a mirrored variable in replica context)."""
         return self._policy.update(self, "assign_sub", value)
 
-    def coerce(self, value: Any) -> Any:
+    def coerce(self, value: Any) -> Array:
         """Local: ``value`` as an array of the component's module, dtype and shape (broadcast), checked.
 
         ``ValueError`` for a shape that does not broadcast, ``TypeError`` for
@@ -456,9 +460,9 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
 
 
 def Variable(
-    initial_value: Any,
+    initial_value: Union[ArrayLike, Callable[[], ArrayLike]],
     name: Optional[str] = None,
-    dtype: Any = None,
+    dtype: Optional[DTypeLike] = None,
     synchronization: VariableSynchronization = VariableSynchronization.AUTO,
     aggregation: VariableAggregation = VariableAggregation.NONE,
 ) -> DistributedVariable:

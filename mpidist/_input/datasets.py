@@ -17,7 +17,7 @@ import itertools
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from mpidist._input.sharding import (
     per_replica_batch_size,
 )
 from mpidist._values.nest import flatten, map_structure, map_structure_with_path, pack_sequence_as
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array
 
 __all__ = ["ArrayDataset", "Chunk", "FileDataset", "InputContext", "RecordBatches", "array_chunks"]
 
@@ -220,7 +223,7 @@ def _masked(pack: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], A
     return lambda leaves: (pack(leaves[:-1]), leaves[-1])
 
 
-def _read_only(view: Any) -> Any:
+def _read_only(view: Array) -> Array:
     """``view`` (a fresh view of the user's array) made read-only where NumPy allows it."""
     if type(view) is np.ndarray:
         view.flags.writeable = False
@@ -249,7 +252,7 @@ class _Reuse:
     def _count(ring: list[np.ndarray], j: int) -> int:
         return sys.getrefcount(ring[j])
 
-    def take(self, i: int, leaf: Any, index: np.ndarray) -> Any:
+    def take(self, i: int, leaf: Array, index: np.ndarray) -> Array:
         """Rows ``index`` of leaf ``i``: into one of its kept arrays that no one else holds, else a new one."""
         if type(leaf) is not np.ndarray:
             return _take(leaf, index)
@@ -259,7 +262,7 @@ class _Reuse:
                 free = ring.pop(j)
                 ring.append(free)
                 return np.take(leaf, index, axis=0, out=free, mode="clip")  # our indices are in range
-        taken = _take(leaf, index)
+        taken = leaf[index]  # a NumPy leaf here: what _take does for one
         ring.append(taken)
         if len(ring) > self.KEEP:
             del ring[0]
@@ -275,7 +278,7 @@ def _alone() -> int:
 _ALONE = _alone()
 
 
-def _take(leaf: Any, index: np.ndarray) -> Any:
+def _take(leaf: Array, index: np.ndarray) -> Array:
     """Rows ``index`` of ``leaf`` (a NumPy or CuPy array) as a new contiguous array."""
     if type(leaf) is not np.ndarray and is_device_array(leaf):
         return leaf[array_module(leaf).asarray(index)]

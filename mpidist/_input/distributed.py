@@ -75,7 +75,7 @@ class DistributedDataset:
     def __init__(
         self,
         host: InputHost,
-        source: Any,
+        source: Any,  # a source of sources.py; duck-typed: only exact ones have filler and has_template
         *,
         shard_policy: str,
         prefetch: Optional[int],

@@ -38,7 +38,7 @@ class Converter:
     current CUDA stream as the one that will use the data. Local.
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._stager = DeviceStager(backend) if backend.is_gpu else None
 
@@ -74,7 +74,7 @@ def wrap(rank: int, element: Any) -> Any:
 class _Staged:
     __slots__ = ("token",)
 
-    def __init__(self, token: Any) -> None:
+    def __init__(self, token: tuple[Any, Any]) -> None:  # from DeviceStager.start
         self.token = token
 
 

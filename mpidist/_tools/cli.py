@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from argparse import _SubParsersAction  # what add_subparsers() returns (argparse has no public name for it)
+
+    Subparsers = _SubParsersAction[argparse.ArgumentParser]
 
 __all__ = ["build_parser", "command", "main"]
 
-_COMMANDS: list[Callable[[Any], None]] = []
+_COMMANDS: list[Callable[[Subparsers], None]] = []
 
 
-def command(add: Callable[[Any], None]) -> Callable[[Any], None]:
+def command(add: Callable[[Subparsers], None]) -> Callable[[Subparsers], None]:
     """Register ``add(subparsers)``, which adds one command's parser and its ``handler``."""
     _COMMANDS.append(add)
     return add
@@ -49,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return int(args.handler(args))
 
 
-def _add_module_command(subparsers: Any, name: str, module: Any, help: str) -> None:
+def _add_module_command(subparsers: Subparsers, name: str, module: ModuleType, help: str) -> None:
     """Register a command whose module offers ``DESCRIPTION``, ``add_arguments`` and ``run``."""
     parser = subparsers.add_parser(name, help=help, description=module.DESCRIPTION)
     module.add_arguments(parser)
@@ -58,7 +64,7 @@ def _add_module_command(subparsers: Any, name: str, module: Any, help: str) -> N
 
 # -- doctor ----------------------------------------------------------------------------------
 @command
-def _add_doctor(subparsers: Any) -> None:
+def _add_doctor(subparsers: Subparsers) -> None:
     from mpidist._tools import doctor as _doctor
 
     _add_module_command(
@@ -72,7 +78,7 @@ def _add_doctor(subparsers: Any) -> None:
 
 # -- bench -----------------------------------------------------------------------------------
 @command
-def _add_bench(subparsers: Any) -> None:
+def _add_bench(subparsers: Subparsers) -> None:
     from mpidist._tools import bench as _bench
 
     _add_module_command(
@@ -85,7 +91,7 @@ def _add_bench(subparsers: Any) -> None:
 
 # -- checkpoint ------------------------------------------------------------------------------
 @command
-def _add_checkpoint(subparsers: Any) -> None:
+def _add_checkpoint(subparsers: Subparsers) -> None:
     from mpidist._checkpoint import inspect as _inspect
 
     parser = subparsers.add_parser(

@@ -25,10 +25,13 @@ import socket
 import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from mpidist._comm.backend import cupy_version, nccl_status
 from mpidist._errors import format_ranks
+
+if TYPE_CHECKING:
+    from mpidist._comm.communicator import Communicator
 
 __all__ = ["DESCRIPTION", "add_arguments", "collect", "detect_launcher", "diagnose", "format_report", "run"]
 
@@ -170,7 +173,7 @@ def _threads(env: Mapping[str, str]) -> Optional[int]:
     return int(value) if value.isdigit() else None
 
 
-def _describe_rank(comm: Any, launcher: str) -> dict[str, Any]:
+def _describe_rank(comm: Communicator, launcher: str) -> dict[str, Any]:
     env = os.environ
     slurm = {
         k: env[k]

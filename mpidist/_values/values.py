@@ -30,9 +30,12 @@ import collections.abc
 import operator
 import weakref
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 from mpidist._values.nest import assert_same_structure, map_structure, map_structure_with_path
 
@@ -157,7 +160,7 @@ class DistributedValues:
         """The component that conversions to arrays use: the local one. Local."""
         return self.get()
 
-    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> numpy.ndarray:
+    def __array__(self, dtype: Optional[DTypeLike] = None, copy: Optional[bool] = None) -> numpy.ndarray:
         """NumPy's view of the local component (``numpy.asarray(v)``). Local.
 
         A device (CuPy) component fails here exactly as ``numpy.asarray`` of

@@ -48,11 +48,15 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 import numpy as np
 
 import mpidist as md
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array  # a NumPy or CuPy array
 
 __all__ = ["load_digits", "main", "parse_args", "split"]
 
@@ -104,13 +108,13 @@ def split(images: np.ndarray, labels: np.ndarray, test_fraction: float, seed: in
 
 
 # -- the model: 64 -> hidden (tanh) -> 10, softmax cross-entropy ------------------------------
-def _forward(xp: Any, params: list, x: Any) -> tuple[Any, Any]:
+def _forward(xp: ModuleType, params: list, x: Array) -> tuple[Array, Array]:
     w1, b1, w2, b2 = params
     h = xp.tanh(x @ w1 + b1)
     return h, h @ w2 + b2
 
 
-def _loss_and_grads(xp: Any, params: list, x: Any, y: Any) -> tuple[Any, Any, list]:
+def _loss_and_grads(xp: ModuleType, params: list, x: Array, y: Array) -> tuple[Array, Array, list]:
     """Per-sample losses, logits, and the gradient of the mean loss over this rank's batch."""
     _w1, _b1, w2, _b2 = params
     h, logits = _forward(xp, params, x)
@@ -143,7 +147,7 @@ def _initial_params(hidden: int, seed: int) -> list[np.ndarray]:
 
 
 # -- progress (rank 0) ---------------------------------------------------------------------------
-def _is_terminal(stream: Any) -> bool:
+def _is_terminal(stream: TextIO) -> bool:
     """Whether ``stream`` reaches a person's terminal.
 
     Open MPI's launcher gives the ranks a pseudo-terminal even when its own output goes to a
@@ -402,7 +406,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         """Cosine decay from --learning-rate at the first epoch towards 0 after the last."""
         return np.float32(args.learning_rate * 0.5 * (1.0 + math.cos(math.pi * epoch / args.epochs)))
 
-    def train_step(batch: Any) -> None:
+    def train_step(batch: tuple[Array, Array]) -> None:
         x, y = batch
         losses, logits, grads = _loss_and_grads(xp, [p.read_value() for p in params], x, y)
         for var, grad in zip(params, grads):
@@ -410,7 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         train_loss.update_state(losses)
         train_accuracy.update_state(y, logits)
 
-    def test_step(batch: Any, mask: Any) -> None:
+    def test_step(batch: tuple[Array, Array], mask: Array) -> None:
         x, y = batch
         _, logits = _forward(xp, [p.read_value() for p in params], x)
         test_accuracy.update_state(y, logits, sample_weight=mask)

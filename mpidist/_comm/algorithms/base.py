@@ -20,15 +20,18 @@ call with :meth:`~mpidist._comm.algorithms.Algorithms.choose`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from mpi4py import MPI
 
 from mpidist._comm.transport import Transport
 
+if TYPE_CHECKING:
+    from mpidist._typing import Array
+
 __all__ = ["Completion", "Piece", "Reduction", "nothing"]
 
-Piece = tuple[Optional[Any], Any]  # (send, or None to reduce recv in place; recv): MPI-ready buffers
+Piece = tuple[Optional["Array"], "Array"]  # (send, or None to reduce recv in place; recv): MPI-ready buffers
 Completion = Callable[[], None]
 
 
@@ -53,12 +56,12 @@ class Reduction:
     def free(self) -> None:
         """Collective: release the algorithm's communicators (none by default)."""
 
-    def pieces(self, array: Any) -> list[tuple[int, int]]:
+    def pieces(self, array: Array) -> list[tuple[int, int]]:
         """Local: ``(lo, hi)`` element ranges of ``options.piece_bytes`` covering the flat ``array``."""
         step = max(1, self.piece_bytes // max(1, array.itemsize))
         return [(lo, min(lo + step, array.size)) for lo in range(0, array.size, step)]
 
-    def reduce(self, what: str, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> None:
+    def reduce(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
         """Collective: ``recv`` <- the reduction of every rank's ``send`` (of ``recv`` itself if ``None``)."""
         if self.size == 1:
             if send is not None:
@@ -80,7 +83,7 @@ class Reduction:
         return self.start_implementation(what, pieces, mpi_op)
 
     # -- what an algorithm overrides ---------------------------------------------------------
-    def reduce_implementation(self, what: str, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> None:
+    def reduce_implementation(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
         """Collective, at two ranks or more: :meth:`reduce`'s work."""
         raise NotImplementedError
 

@@ -7,11 +7,14 @@ allreduce (ring, recursive doubling, shared-memory) is tuned for its transport.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from mpi4py import MPI
 
 from mpidist._comm.algorithms.base import Completion, Piece, Reduction, nothing
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array
 
 __all__ = ["Flat"]
 
@@ -19,7 +22,7 @@ __all__ = ["Flat"]
 class Flat(Reduction):
     """``MPI_Allreduce`` on the transport's communicator (``MPI_Iallreduce`` per piece). Local construction."""
 
-    def reduce_implementation(self, what: str, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> None:
+    def reduce_implementation(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
         """Collective: one allreduce, in place when ``send`` is ``None``."""
         self.transport.run(what, "Allreduce", MPI.IN_PLACE if send is None else send, recv, mpi_op)
 

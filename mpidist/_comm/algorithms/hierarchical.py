@@ -16,13 +16,16 @@ algorithm can be tried and tested on one machine; otherwise the nodes are the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from mpi4py import MPI
 
 from mpidist._comm.algorithms.base import Completion, Piece, Reduction
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport
+
+if TYPE_CHECKING:
+    from mpidist._typing import Array
 
 __all__ = ["Hierarchical"]
 
@@ -50,7 +53,7 @@ class Hierarchical(Reduction):
             if c != MPI.COMM_NULL:
                 c.Free()
 
-    def reduce_implementation(self, what: str, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> None:
+    def reduce_implementation(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
         """Collective: the three stages, blocking."""
         self.transport.run(what, "Reduce", *self._to_leader(send, recv, mpi_op), comm=self.node)
         self._complete(what, recv, mpi_op)
@@ -67,13 +70,13 @@ class Hierarchical(Reduction):
 
         return [start("Reduce", *self._to_leader(s, r, mpi_op), comm=self.node) for s, r in pieces], complete
 
-    def _to_leader(self, send: Optional[Any], recv: Any, mpi_op: MPI.Op) -> tuple[Any, Any, MPI.Op, int]:
+    def _to_leader(self, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> tuple[Any, Any, MPI.Op, int]:
         """Local: the arguments of the reduction onto the node leader (in place on the leader)."""
         if self.is_leader:
             return MPI.IN_PLACE if send is None else send, recv, mpi_op, 0
         return recv if send is None else send, None, mpi_op, 0
 
-    def _complete(self, what: str, recv: Any, mpi_op: MPI.Op) -> None:
+    def _complete(self, what: str, recv: Array, mpi_op: MPI.Op) -> None:
         """Collective: the leaders' allreduce of ``recv``, then the broadcast within each node (blocking)."""
         if self.is_leader and self.leaders.size > 1:
             self.transport.run(what, "Allreduce", MPI.IN_PLACE, recv, mpi_op, comm=self.leaders)
