@@ -11,12 +11,14 @@ rounds in which the ranks shared a cache (the benchmark's probes tell; "-" with
 fewer than three such rounds). ``docs/benchmarks.md`` lists the goals of the
 other benchmarks.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from mpidist._tools.bench_report import median
 from mpidist._units import human_size
@@ -45,50 +47,82 @@ def _update(results: dict[str, Any], shared: bool) -> list[Verdict]:
         limit = 0.7 if nbytes >= 16 * _MIB else 1.05
         for name, how in (("mpidist", "`assign_add`"), ("mpidist_batch_update", "`batch_update`")):
             if median(entry, name):
-                rows.append(_at_most(f"{human_size(nbytes)} mirrored MEAN update, {how}, <= {limit}x the hand loop",
-                                     _ratio(entry, name, "hand_loop", shared), limit))
+                rows.append(
+                    _at_most(
+                        f"{human_size(nbytes)} mirrored MEAN update, {how}, <= {limit}x the hand loop",
+                        _ratio(entry, name, "hand_loop", shared),
+                        limit,
+                    )
+                )
     return rows
 
 
 def _resnet(results: dict[str, Any], shared: bool) -> list[Verdict]:
-    """ResNet-50 shapes: ``batch_update`` <= 0.7x the hand loop; ``reduce`` with ``out=`` <= 1.0x raw per array."""
+    """ResNet-50 shapes: ``batch_update`` <= 0.8x the hand loop per array; the SUM of the list <= 1.1x one raw
+    in-place ``Allreduce`` per array into ``out=`` arrays, <= 1.0x in place."""
     resnet = results.get("resnet50", {}).get("161 arrays")
     if not resnet:
         return []
     rows = []
-    for name, how in (("mpidist_batch_update_flat", "flat variables"), ("mpidist_batch_update", "ordinary arrays")):
-        rows.append(_at_most(f"ResNet-50 `batch_update` ({how}) <= 0.7x the hand loop per array",
-                             _ratio(resnet, name, "hand_loop_per_array", shared), 0.7))
-    for name, how in (("mpidist_reduce_list_out", "`strategy.reduce` of the list with `out=`"),
-                      ("mpidist_all_reduce_out", "`ReplicaContext.all_reduce` of the list with `out=`"),
-                      ("mpidist_reduce_list_in_place", "`strategy.reduce` of the list in place (`out=` the list)")):
+    for name, how in (
+        ("mpidist_batch_update_flat", "flat variables"),
+        ("mpidist_batch_update_flat_in_place", "flat variables, `in_place=True`"),
+        ("mpidist_batch_update", "ordinary arrays"),
+    ):
         if median(resnet, name):
-            rows.append(_at_most(f"ResNet-50 {how} <= 1.0x one raw in-place Allreduce per array",
-                                 _ratio(resnet, name, "raw_per_array", shared), 1.0))
+            rows.append(
+                _at_most(
+                    f"ResNet-50 `batch_update` ({how}) <= 0.8x the hand loop per array",
+                    _ratio(resnet, name, "hand_loop_per_array", shared),
+                    0.8,
+                )
+            )
+    for name, how, limit in (
+        ("mpidist_reduce_list_out", "`strategy.reduce` of the list with `out=`", 1.1),
+        ("mpidist_all_reduce_out", "`ReplicaContext.all_reduce` of the list with `out=`", 1.1),
+        ("mpidist_reduce_list_in_place", "`strategy.reduce` of the list in place (`out=` the list)", 1.0),
+    ):
+        if median(resnet, name):
+            rows.append(
+                _at_most(
+                    f"ResNet-50 {how} <= {limit}x one raw in-place Allreduce per array",
+                    _ratio(resnet, name, "raw_per_array", shared),
+                    limit,
+                )
+            )
     return rows
 
 
 def _small(results: dict[str, Any], shared: bool) -> list[Verdict]:
-    """An 8-byte mirrored update with the default safety settings at most 3x the hand loop.
+    """An 8-byte mirrored update with the default safety settings at most 2.5x the hand loop.
 
     Judged on each 8-byte update the run measured: ``safety`` (one float64)
     and ``update`` (two float32; NumPy's float32 operations on tiny arrays
     are faster, so its hand loop is).
     """
     rows = []
-    for entry, name, what in ((results.get("safety", {}).get("update_8B"), "default", "one float64"),
-                              (results.get("update", {}).get("8"), "mpidist", "two float32")):
+    for entry, name, what in (
+        (results.get("safety", {}).get("update_8B"), "default", "one float64"),
+        (results.get("update", {}).get("8"), "mpidist", "two float32"),
+    ):
         if entry and median(entry, "hand_loop"):
-            rows.append(_at_most(f"8 B mirrored update ({what}), default safety settings, <= 3x the hand loop",
-                                 _ratio(entry, name, "hand_loop", shared), 3, digits=1))
+            rows.append(
+                _at_most(
+                    f"8 B mirrored update ({what}), default safety settings, <= 2.5x the hand loop",
+                    _ratio(entry, name, "hand_loop", shared),
+                    2.5,
+                    digits=1,
+                )
+            )
     return rows
 
 
 def _sweep(results: dict[str, Any], shared: bool) -> list[Verdict]:
     """At least 3x faster than gloo at every size."""
     goal = "at least 3x faster than torch gloo at every size"
-    gloo = [(int(k), _ratio(e, "gloo", "mpidist", shared)) for k, e in results.get("sweep", {}).items()
-            if median(e, "gloo")]
+    gloo = [
+        (int(k), _ratio(e, "gloo", "mpidist", shared)) for k, e in results.get("sweep", {}).items() if median(e, "gloo")
+    ]
     if not gloo:
         return []
     if any(r is None for _, r in gloo):
@@ -103,8 +137,13 @@ def _memory(results: dict[str, Any], shared: bool) -> list[Verdict]:
     if not entry:
         return []
     extra, limit = entry["peak_extra_bytes"], 2 * entry["pipeline_bytes"]
-    return [("256 MiB update: peak memory grows by at most 2 pieces",
-             f"{human_size(extra)} (2 pieces: {human_size(limit)})", extra <= limit)]
+    return [
+        (
+            "256 MiB update: peak memory grows by at most 2 pieces",
+            f"{human_size(extra)} (2 pieces: {human_size(limit)})",
+            extra <= limit,
+        )
+    ]
 
 
 GOALS = (_update, _resnet, _small, _sweep, _memory)
@@ -130,10 +169,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(args.results) as f:
         run = json.load(f)
     meta = run["meta"]
-    print(f"{meta['ranks']} ranks, {meta['mpi']}, {meta['date']}\n")
+    print(f"{meta['ranks']} ranks, {meta['mpi']}, {meta['date']}")
+    print(
+        f"inputs: {meta['inputs']}\n"
+        if meta.get("inputs")
+        else "inputs: OLD BASIS, gradients never written (np.zeros, the kernel's zero page): re-measure\n"
+    )
     print("| goal | all rounds | met | rounds with the ranks sharing a cache | met |\n|---|---|---|---|---|")
-    for (goal, reached, met), (_, shared, met_shared) in zip(verdicts(run["results"]),
-                                                             verdicts(run["results"], shared=True)):
+    for (goal, reached, met), (_, shared, met_shared) in zip(
+        verdicts(run["results"]), verdicts(run["results"], shared=True)
+    ):
         print(f"| {goal} | {reached} | {_met(met)} | {shared} | {_met(met_shared)} |")
     return 0
 

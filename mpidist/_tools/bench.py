@@ -8,7 +8,7 @@ interleaved sample by sample so that they see the same machine load:
   ``Allreduce(IN_PLACE)``, mpidist's communicator (agreement check on and
   off), gloo's ``all_reduce``.
 - ``pieces``: mpidist's allreduce of 16, 64 and 256 MiB with different
-  ``pipeline_bytes`` (one call: no pieces).
+  ``piece_bytes`` (one call: no pieces).
 - ``memory``: this machine's memory bandwidth, every rank at once (a copy
   and an add of the largest buffer): the floor the update rows are read against.
 - ``update``: a mirrored variable's replica-context MEAN update (8 B to 256 MiB):
@@ -33,23 +33,39 @@ interleaved sample by sample so that they see the same machine load:
   agreement alone, the communicator's allreduce, its fused reduce-and-apply,
   ``assign_add``), default settings: where its microseconds go.
 
-Every number is the median over ``--repeats`` samples of the slowest rank's
-time; a sample times enough iterations to last about 20 ms. Before the first
-round of samples of each measurement and after every round, a probe tells
-where the ranks ran: five raw 1 MiB allreduces against five copies of the same
-1 MiB within each rank (the slowest rank's medians). On a virtual machine the
-hypervisor moves the cores, and when the ranks stop sharing a cache the
-allreduce takes several times as long while the local copy does not (see
+Inputs are as a training step leaves them. Before every timed call, mpidist's
+and the baselines' alike, the arrays a step writes (gradients, the buffers of
+the sweep) are written with new values that depend on the rank and on the
+call, as a backward pass would write them (:class:`Gradients`); memory that is
+only read or updated (weights, variables, scratch buffers) is written once when
+it is made. No input is a never-written ``np.zeros``: the kernel maps those to
+its zero page, which reads as free and made earlier runs of this benchmark
+report reductions of such gradients as cheaper than they are for a real
+training step.
+
+Each call is timed alone, as a user's script times it: the write (not timed),
+a barrier, then the call; a call's time is that of the slowest rank. A sample
+is the mean of enough such calls to last about 20 ms; every number is the
+median over ``--repeats`` samples. Before the first round of samples of each
+measurement and after every round, a probe tells where the ranks ran: five raw
+1 MiB allreduces against five copies of the same 1 MiB within each rank (the
+slowest rank's medians). On a virtual machine the hypervisor moves the cores,
+and when the ranks stop sharing a cache the allreduce takes several times as
+long while the local copy does not (see
 :func:`~mpidist._tools.bench_report.placements`: the report counts the rounds
 of each kind, and ``results.json`` also holds each variant's median over the
-rounds in which the ranks shared a cache). Writes
-``results.json``, ``results.md`` and ``busbw.png`` (when matplotlib is
-installed) to ``--out``: times and ratios, no verdicts. gloo is skipped when
-torch is missing.
+rounds in which the ranks shared a cache). Writes ``results.json``,
+``results.md`` and ``busbw.png`` (when matplotlib is installed) to ``--out``:
+times and ratios, no verdicts. gloo is skipped when torch is missing.
+``benchmarks/user_script.py`` makes the same calls as a user's script does and
+compares them with this benchmark's timing of them.
 """
+
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import platform
@@ -57,7 +73,8 @@ import socket
 import statistics
 import time
 import tracemalloc
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -66,17 +83,40 @@ from mpidist._comm.library import library_version
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._distribute.context import get_replica_context
 from mpidist._distribute.strategy import MPIStrategy
-from mpidist._distribute.variables import Variable, VariableAggregation
+from mpidist._distribute.variables import MirroredVariable, Variable, VariableAggregation
 from mpidist._tools.bench_report import placements, write_reports
 from mpidist._units import human_time
 
-__all__ = ["DESCRIPTION", "add_arguments", "resnet50_shapes", "run"]
+__all__ = [
+    "DESCRIPTION",
+    "INPUTS",
+    "MPI_SETTINGS",
+    "Bench",
+    "Gradients",
+    "Variant",
+    "add_arguments",
+    "make_strategies",
+    "mpi_settings",
+    "resnet50_shapes",
+    "resnet_variants",
+    "run",
+    "update_variants",
+]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
 _MIB = 1 << 20
 _SAMPLE_SECONDS = 0.02
+_MAX_CALLS = 100_000  # calls in one sample at most
 _PROBE_CALLS = 5
+_WEIGHT = 0.5  # the value weights and scratch buffers are written with once, when they are made
+# How the inputs were made, as results.json records it ("inputs" of "meta"; runs before it lack the key and read
+# never-written gradients).
+INPUTS = "written before each call, each call timed alone"
+# MPI settings that change the results and depend on how the job started, recorded in "meta": Open MPI's algorithm for
+# the nonblocking allreduce that mpidist's pieces run on. mpidist sets it when imported before mpi4py.MPI (as
+# `python -m mpidist` is); a script that imports mpi4py.MPI first runs with Open MPI's own choice.
+MPI_SETTINGS = ("OMPI_MCA_coll_libnbc_iallreduce_algorithm",)
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:
@@ -86,15 +126,107 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
     for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
         for block in range(blocks):
             width, out = planes, planes * 4
-            shapes += [(width, inplanes, 1, 1), (width,), (width,), (width, width, 3, 3), (width,), (width,),
-                       (out, width, 1, 1), (out,), (out,)]
+            shapes += [
+                (width, inplanes, 1, 1),
+                (width,),
+                (width,),
+                (width, width, 3, 3),
+                (width,),
+                (width,),
+                (out, width, 1, 1),
+                (out,),
+                (out,),
+            ]
             if block == 0:
                 shapes += [(out, inplanes, 1, 1), (out,), (out,)]
             inplanes = out
     return shapes + [(1000, 2048), (1000,)]
 
 
-class _Bench:
+def _nothing() -> None:
+    """The write of a variant whose inputs no training step writes."""
+
+
+@dataclasses.dataclass
+class Variant:
+    """One way of making a call: ``call()`` is timed; ``write()`` runs before each call, untimed.
+
+    ``write`` writes what a training step writes before such a call (the
+    gradients: see :class:`Gradients`). With ``strategy``, the samples run in
+    that strategy's replica context (inside one ``strategy.run``, whose own
+    cost is not timed).
+    """
+
+    call: Callable[[], Any]
+    write: Callable[[], None] = _nothing
+    strategy: Optional[MPIStrategy] = None
+
+
+class Gradients:
+    """Local: writes arrays as a training step's backward pass does, before every call.
+
+    Each write fills every element of every array with a new value that
+    depends on the rank and on the number of the write (bounded, so that sums
+    stay small and exact). So no page of a gradient is the kernel's zero page,
+    which reads as free, and the caches hold what a backward pass leaves in
+    them: the last arrays written.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self.writes = 0  # how many writes so far, all writers together
+
+    def value(self) -> float:
+        """Local: the value of the next write (and count it)."""
+        self.writes += 1
+        return 1.0 + self._rank + (self.writes % 64) / 64
+
+    def writer(self, arrays: Sequence[Any]) -> Callable[[], None]:
+        """Local: a function that writes new values into every one of ``arrays`` (NumPy arrays or torch tensors)."""
+        arrays = list(arrays)
+
+        def write() -> None:
+            value = self.value()
+            for a in arrays:
+                a.fill(value)
+
+        return write
+
+
+def mpi_settings() -> dict[str, Optional[str]]:
+    """Local: the values of :data:`MPI_SETTINGS` in this process's environment (``None``: not set)."""
+    return {name: os.environ.get(name) for name in MPI_SETTINGS}
+
+
+def _weights(shape: Any, dtype: Any = np.float32) -> np.ndarray:
+    """Memory that is only read or updated in place (weights, scratch buffers): real pages, written once now."""
+    return np.full(shape, _WEIGHT, dtype)
+
+
+def _mirrored(initial: np.ndarray, name: Optional[str] = None) -> MirroredVariable:
+    """Collective, in a strategy's scope: a mirrored MEAN variable that starts as ``initial``."""
+    v = Variable(initial, name=name, aggregation=VariableAggregation.MEAN)
+    assert isinstance(v, MirroredVariable)
+    return v
+
+
+def _in_place_allreduce(strategy: MPIStrategy, buf: np.ndarray) -> Callable[[], Any]:
+    """The call of the sweep and pieces cases: the strategy's communicator reduces ``buf`` in place."""
+    return lambda: strategy.communicator.allreduce(buf, "sum", inplace=True)
+
+
+def _all_reduce_into(reduced: list[np.ndarray], grads: list[np.ndarray]) -> Callable[[], Any]:
+    """``ReplicaContext.all_reduce`` of ``grads`` into ``reduced`` (call it in replica context)."""
+
+    def call() -> Any:
+        context = get_replica_context()
+        assert context is not None, "called outside strategy.run"
+        return context.all_reduce("sum", grads, out=reduced)
+
+    return call
+
+
+class Bench:
     """Timing and bookkeeping shared by the cases; collective methods are called by every rank."""
 
     def __init__(self, repeats: int, torch_dist: Any) -> None:
@@ -102,9 +234,10 @@ class _Bench:
         self.rank, self.size = self.comm.rank, self.comm.size
         self.repeats = repeats
         self.dist = torch_dist
+        self.gradients = Gradients(self.rank)
         self.results: dict[str, Any] = {}
-        self._probe_send = np.ones(_MIB // 4, np.float32)
-        self._probe_recv = np.empty_like(self._probe_send)
+        self._probe_send = _weights(_MIB // 4)
+        self._probe_recv = _weights(_MIB // 4)
 
     def probe(self) -> list[float]:
         """Collective: how the ranks are placed now: seconds of a raw 1 MiB allreduce and of a local 1 MiB copy.
@@ -112,45 +245,69 @@ class _Bench:
         The slowest rank's median of a few of each.
         """
         times: dict[str, list[float]] = {"allreduce": [], "copy": []}
-        for what, call in (("allreduce", lambda: self.comm.Allreduce(self._probe_send, self._probe_recv, MPI.SUM)),
-                           ("copy", lambda: np.copyto(self._probe_recv, self._probe_send))):
+        for what, call in (
+            ("allreduce", lambda: self.comm.Allreduce(self._probe_send, self._probe_recv, MPI.SUM)),
+            ("copy", lambda: np.copyto(self._probe_recv, self._probe_send)),
+        ):
             for _ in range(_PROBE_CALLS):
                 start = time.perf_counter()
                 call()
                 times[what].append(time.perf_counter() - start)
         slowest = np.empty(2)
-        self.comm.Allreduce(np.array([statistics.median(times["allreduce"]), statistics.median(times["copy"])]),
-                            slowest, MPI.MAX)
+        self.comm.Allreduce(
+            np.array([statistics.median(times["allreduce"]), statistics.median(times["copy"])]), slowest, MPI.MAX
+        )
         return slowest.tolist()
 
-    def compare(self, case: str, key: str, variants: dict[str, Callable[[int], None]]) -> dict[str, float]:
-        """Collective: time each variant (``fn(iterations)``), samples interleaved; medians in seconds per call.
+    def sample(self, variant: Variant, calls: int) -> float:
+        """Collective: seconds per call of ``calls`` calls of ``variant``, each timed alone.
+
+        Before each call: ``variant.write()``, then a barrier; only the call
+        is timed. A call's time is the slowest rank's; the result is their mean.
+        """
+        times = np.empty(calls)
+        write, call, barrier, clock = variant.write, variant.call, self.comm.Barrier, time.perf_counter
+
+        def loop() -> None:
+            for i in range(calls):
+                write()
+                barrier()
+                start = clock()
+                call()
+                times[i] = clock() - start
+
+        if variant.strategy is None:
+            loop()
+        else:
+            with variant.strategy.scope():
+                variant.strategy.run(loop)
+        self.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+        return float(times.mean())
+
+    def compare(self, case: str, key: str, variants: dict[str, Variant]) -> dict[str, float]:
+        """Collective: time each variant, samples interleaved; medians in seconds per call.
 
         Rounds of one sample per variant, with a :meth:`probe` before the first
         round and after each (``probes`` of the entry).
         """
-        iterations = {}
-        for name, run in variants.items():
-            run(1)  # warm up: buffers, lazily created communicators
-            self.comm.Barrier()
+        calls = {}
+        for name, variant in variants.items():
+            self.sample(variant, 1)  # warm up: buffers, lazily created communicators
             start = time.perf_counter()
-            run(1)
-            once = self.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-            iterations[name] = max(1, min(100_000, int(_SAMPLE_SECONDS / max(once, 1e-7))))
+            self.sample(variant, 1)
+            once = self.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)  # the write and barrier too
+            calls[name] = max(1, min(_MAX_CALLS, int(_SAMPLE_SECONDS / max(once, 1e-7))))
         samples: dict[str, list[float]] = {name: [] for name in variants}
         probes = [self.probe()]
         for _ in range(self.repeats):
-            for name, run in variants.items():
-                self.comm.Barrier()
-                start = time.perf_counter()
-                run(iterations[name])
-                elapsed = self.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-                samples[name].append(elapsed / iterations[name])
+            for name, variant in variants.items():
+                samples[name].append(self.sample(variant, calls[name]))
             probes.append(self.probe())
         medians = {name: statistics.median(s) for name, s in samples.items()}
         entry: dict[str, Any] = {
-            name: {"median_s": medians[name], "samples_s": samples[name], "iterations": iterations[name]}
-            for name in variants}
+            name: {"median_s": medians[name], "samples_s": samples[name], "iterations": calls[name]}
+            for name in variants
+        }
         entry["probes"] = probes
         self.results.setdefault(case, {})[key] = entry
         if self.rank == 0:
@@ -159,24 +316,8 @@ class _Bench:
         return medians
 
     def note(self, case: str, key: str, **values: Any) -> None:
+        """Local: add ``values`` to the results entry of ``case`` and ``key``."""
         self.results.setdefault(case, {}).setdefault(key, {}).update(values)
-
-
-def _repeat(fn: Callable[[], Any]) -> Callable[[int], None]:
-    def run(iterations: int) -> None:
-        for _ in range(iterations):
-            fn()
-    return run
-
-
-def _in_replica(strategy: MPIStrategy, fn: Callable[[], Any]) -> Callable[[int], None]:
-    """``fn`` repeated inside one ``strategy.run`` (so the timing holds no per-call ``run`` overhead)."""
-    loop = _repeat(fn)
-
-    def run(iterations: int) -> None:
-        with strategy.scope():
-            strategy.run(loop, args=(iterations,))
-    return run
 
 
 def _init_gloo(comm: MPI.Intracomm) -> Any:
@@ -212,30 +353,37 @@ def _sizes(max_bytes: int) -> list[int]:
     return sizes
 
 
-def bench_sweep(bench: _Bench, strategies: dict[str, MPIStrategy], max_bytes: int) -> None:
+def bench_sweep(bench: Bench, strategies: dict[str, MPIStrategy], max_bytes: int) -> None:
     torch = _torch()
     for nbytes in _sizes(max_bytes):
-        buf = np.zeros(nbytes // 4, np.float32)
-        variants = {"raw": _repeat(lambda: bench.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)),
-                    "mpidist": _repeat(lambda: strategies["check"].communicator.allreduce(buf, "sum", inplace=True))}
+        buf = np.empty(nbytes // 4, np.float32)
+        write = bench.gradients.writer([buf])
+        variants = {
+            "raw": Variant(lambda: bench.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), write),
+            "mpidist": Variant(_in_place_allreduce(strategies["check"], buf), write),
+        }
         if nbytes <= 64 * 1024:
-            variants["mpidist_nocheck"] = _repeat(
-                lambda: strategies["nocheck"].communicator.allreduce(buf, "sum", inplace=True))
+            variants["mpidist_nocheck"] = Variant(_in_place_allreduce(strategies["nocheck"], buf), write)
         if bench.dist is not None:
             tensor = torch.from_numpy(buf)
-            variants["gloo"] = _repeat(lambda: bench.dist.all_reduce(tensor))
+            variants["gloo"] = Variant(lambda: bench.dist.all_reduce(tensor), write)
         bench.compare("sweep", str(nbytes), variants)
 
 
-def bench_pieces(bench: _Bench, max_bytes: int) -> None:
+def bench_pieces(bench: Bench, max_bytes: int) -> None:
     pieces = [256 * 1024, _MIB, 2 * _MIB, 4 * _MIB, 8 * _MIB, 16 * _MIB, 1 << 30]
-    comms = {p: MPIStrategy(device="cpu", pipeline_bytes=p, check_collectives=False, abort_on_error=False)
-             for p in pieces}
+    comms = {p: MPIStrategy(device="cpu", piece_bytes=p, check_collectives=False, abort_on_error=False) for p in pieces}
     for nbytes in [n for n in (16 * _MIB, 64 * _MIB, 256 * _MIB) if n <= max_bytes]:
-        buf = np.zeros(nbytes // 4, np.float32)
-        bench.compare("pieces", str(nbytes), {
-            ("one_call" if p == 1 << 30 else str(p)): _repeat(
-                lambda s=s: s.communicator.allreduce(buf, "sum", inplace=True)) for p, s in comms.items()})
+        buf = np.empty(nbytes // 4, np.float32)
+        write = bench.gradients.writer([buf])
+        bench.compare(
+            "pieces",
+            str(nbytes),
+            {
+                ("one_call" if p == 1 << 30 else str(p)): Variant(_in_place_allreduce(s, buf), write)
+                for p, s in comms.items()
+            },
+        )
     for s in comms.values():
         s.free()
 
@@ -248,172 +396,245 @@ def _hand_loop(comm: MPI.Intracomm, g: np.ndarray, tmp: np.ndarray, w: np.ndarra
         comm.Allreduce(g, tmp, MPI.SUM)
         np.multiply(tmp, scale, out=tmp)
         w.__iadd__(tmp)
+
     return step
 
 
-def bench_memory(bench: _Bench, max_bytes: int) -> None:
+def bench_memory(bench: Bench, max_bytes: int) -> None:
     """Memory bandwidth of this machine, every rank at once: a copy and an add of ``max_bytes`` arrays."""
     n = max(1, min(max_bytes, 256 * _MIB) // 4)
-    a, b = np.ones(n, np.float32), np.zeros(n, np.float32)
-    times = bench.compare("memory", str(n * 4), {"copy": _repeat(lambda: np.copyto(b, a)),
-                                                  "add": _repeat(lambda: np.add(b, a, out=b))})
-    bench.note("memory", str(n * 4), copy_GBps=2 * n * 4 / times["copy"] / 1e9,
-               add_GBps=3 * n * 4 / times["add"] / 1e9)
+    a, b = _weights(n), _weights(n)
+    times = bench.compare(
+        "memory", str(n * 4), {"copy": Variant(lambda: np.copyto(b, a)), "add": Variant(lambda: np.add(b, a, out=b))}
+    )
+    bench.note("memory", str(n * 4), copy_GBps=2 * n * 4 / times["copy"] / 1e9, add_GBps=3 * n * 4 / times["add"] / 1e9)
 
 
-def bench_update(bench: _Bench, strategies: dict[str, MPIStrategy], max_bytes: int) -> None:
+def make_strategies() -> dict[str, MPIStrategy]:
+    """Collective: the strategies the cases share: ``check`` (the defaults), ``nocheck`` (every check off), ``flat``.
+
+    ``flat`` has ``flat_variables``. None of them aborts the job on an error.
+    """
+    return {
+        "check": MPIStrategy(device="cpu", abort_on_error=False),
+        "nocheck": MPIStrategy(device="cpu", check_collectives=False, timeout=None, abort_on_error=False),
+        "flat": MPIStrategy(device="cpu", flat_variables=True, abort_on_error=False),
+    }
+
+
+def update_variants(bench: Bench, strategies: dict[str, MPIStrategy], nbytes: int) -> dict[str, Variant]:
+    """Collective (it makes variables): the variants of the ``update`` case for float32 gradients of ``nbytes``."""
+    grad = np.empty(nbytes // 4, np.float32)
+    write = bench.gradients.writer([grad])
+    tmp, weight = _weights(grad.shape), _weights(grad.shape)
+    check, nocheck = strategies["check"], strategies["nocheck"]
+    with check.scope():
+        v = _mirrored(_weights(grad.shape), f"update{nbytes}")
+    with nocheck.scope():
+        w = _mirrored(_weights(grad.shape), f"update{nbytes}")
+    variants = {
+        "raw_allreduce": Variant(lambda: bench.comm.Allreduce(grad, tmp, MPI.SUM), write),
+        "hand_loop": Variant(_hand_loop(bench.comm, grad, tmp, weight), write),
+        "mpidist": Variant(lambda: v.assign_add(grad), write, check),
+        "mpidist_batch_update": Variant(lambda: check.batch_update([(v, grad)]), write, check),
+        "mpidist_in_place": Variant(lambda: check.batch_update([(v, grad)], in_place=True), write, check),
+        "mpidist_nocheck": Variant(lambda: w.assign_add(grad), write, nocheck),
+    }
     torch = _torch()
-    n = bench.size
+    if bench.dist is not None:
+        n = bench.size
+        gloo_grad, gloo_weight = torch.from_numpy(np.empty_like(grad)), torch.from_numpy(_weights(grad.shape))
+
+        def gloo_hand_loop() -> None:
+            bench.dist.all_reduce(gloo_grad)
+            gloo_grad.div_(n)
+            gloo_weight.add_(gloo_grad)
+
+        variants["gloo_hand_loop"] = Variant(gloo_hand_loop, bench.gradients.writer([gloo_grad]))
+    return variants
+
+
+def bench_update(bench: Bench, strategies: dict[str, MPIStrategy], max_bytes: int) -> None:
     for nbytes in [b for b in (8, 4096, _MIB, 4 * _MIB, 16 * _MIB, 64 * _MIB, 256 * _MIB) if b <= max_bytes]:
-        grad = np.zeros(nbytes // 4, np.float32)
-        tmp = np.zeros_like(grad)
-        weight = np.zeros_like(grad)
-        with strategies["check"].scope():
-            v = Variable(np.zeros_like(grad), aggregation=VariableAggregation.MEAN, name=f"update{nbytes}")
-        with strategies["nocheck"].scope():
-            w = Variable(np.zeros_like(grad), aggregation=VariableAggregation.MEAN, name=f"update{nbytes}")
-        check = strategies["check"]
-        variants = {"raw_allreduce": _repeat(lambda: bench.comm.Allreduce(grad, tmp, MPI.SUM)),
-                    "hand_loop": _repeat(_hand_loop(bench.comm, grad, tmp, weight)),
-                    "mpidist": _in_replica(check, lambda: v.assign_add(grad)),
-                    "mpidist_batch_update": _in_replica(check, lambda: check.batch_update([(v, grad)])),
-                    "mpidist_in_place": _in_replica(check, lambda: check.batch_update([(v, grad)], in_place=True)),
-                    "mpidist_nocheck": _in_replica(strategies["nocheck"], lambda: w.assign_add(grad))}
-        if bench.dist is not None:
-            tensor, target = torch.from_numpy(tmp), torch.from_numpy(weight)
-
-            def gloo_hand_loop() -> None:
-                bench.dist.all_reduce(tensor)
-                tensor.div_(n)
-                target.add_(tensor)
-            variants["gloo_hand_loop"] = _repeat(gloo_hand_loop)
+        variants = update_variants(bench, strategies, nbytes)
         bench.compare("update", str(nbytes), variants)
-        bench.note("update", str(nbytes), peak_extra_bytes=_peak_growth(check, v, grad),
-                   pipeline_bytes=check.options.pipeline_bytes)
+        bench.note(
+            "update",
+            str(nbytes),
+            peak_extra_bytes=_peak_growth(bench, variants["mpidist"]),
+            pipeline_bytes=strategies["check"].options.piece_bytes,
+        )
 
 
-def bench_safety(bench: _Bench) -> None:
+def bench_safety(bench: Bench) -> None:
     """Per-call cost of the safety settings: an 8-byte allreduce and an 8-byte mirrored MEAN update."""
-    settings = {"all_off": dict(check_collectives=False, timeout=None), "check_only": dict(timeout=None),
-                "deadline_only": dict(check_collectives=False), "default": {}}
+    settings: dict[str, dict[str, Any]] = {
+        "all_off": dict(check_collectives=False, timeout=None),
+        "check_only": dict(timeout=None),
+        "deadline_only": dict(check_collectives=False),
+        "default": {},
+    }
     strategies = {name: MPIStrategy(device="cpu", abort_on_error=False, **kw) for name, kw in settings.items()}
-    x, out = np.ones(1), np.empty(1)
-    variants = {"raw": _repeat(lambda: bench.comm.Allreduce(x, out, MPI.SUM))}
-    variants.update({name: _repeat(lambda s=s: s.communicator.allreduce(x, out=out)) for name, s in strategies.items()})
+    x, out = np.empty(1), _weights(1, np.float64)
+    write = bench.gradients.writer([x])
+    variants = {"raw": Variant(lambda: bench.comm.Allreduce(x, out, MPI.SUM), write)}
+    variants.update(
+        {
+            name: Variant(functools.partial(s.communicator.allreduce, x, out=out), write)
+            for name, s in strategies.items()
+        }
+    )
     bench.compare("safety", "allreduce_8B", variants)
-    tmp, weight = np.empty(1), np.zeros(1)
-    updates = {"hand_loop": _repeat(_hand_loop(bench.comm, x, tmp, weight))}
+    tmp, weight = _weights(1, np.float64), _weights(1, np.float64)
+    updates = {"hand_loop": Variant(_hand_loop(bench.comm, x, tmp, weight), write)}
     for name, s in strategies.items():
         with s.scope():
-            v = Variable(np.zeros(1), aggregation=VariableAggregation.MEAN, name="safety")
-        updates[name] = _in_replica(s, lambda v=v: v.assign_add(x))
+            v = _mirrored(_weights(1, np.float64), "safety")
+        updates[name] = Variant(functools.partial(v.assign_add, x), write, s)
     bench.compare("safety", "update_8B", updates)
     for s in strategies.values():
         s.free()
 
 
-def bench_profile(bench: _Bench, strategy: MPIStrategy) -> None:
+def bench_profile(bench: Bench, strategy: MPIStrategy) -> None:
     """Where the time of an 8-byte mirrored MEAN update goes: the same update through each layer, default settings."""
     comm = strategy.communicator
-    x, out, tmp, weight = np.ones(1), np.empty(1), np.empty(1), np.zeros(1)
+    x = np.empty(1)
+    out, tmp, weight = _weights(1, np.float64), _weights(1, np.float64), _weights(1, np.float64)
+    write = bench.gradients.writer([x])
     with strategy.scope():
-        v = Variable(np.zeros(1), aggregation=VariableAggregation.MEAN, name="profile")
+        v = _mirrored(_weights(1, np.float64), "profile")
     add = lambda target, reduced: target.__iadd__(reduced)  # noqa: E731
-    bench.compare("profile", "update_8B", {
-        "raw_allreduce": _repeat(lambda: bench.comm.Allreduce(x, out, MPI.SUM)),
-        "hand_loop": _repeat(_hand_loop(bench.comm, x, tmp, weight)),
-        "agreement": _repeat(comm.barrier),
-        "communicator_allreduce": _repeat(lambda: comm.allreduce(x, "mean", out=out)),
-        "communicator_reduce_apply": _repeat(lambda: comm.reduce_apply((x,), (weight,), (ReduceOp.MEAN,), add,
-                                                                        ("profile",))),
-        "assign_add": _in_replica(strategy, lambda: v.assign_add(x)),
-    })
+    bench.compare(
+        "profile",
+        "update_8B",
+        {
+            "raw_allreduce": Variant(lambda: bench.comm.Allreduce(x, out, MPI.SUM), write),
+            "hand_loop": Variant(_hand_loop(bench.comm, x, tmp, weight), write),
+            "agreement": Variant(comm.barrier, write),
+            "communicator_allreduce": Variant(lambda: comm.allreduce(x, "mean", out=out), write),
+            "communicator_reduce_apply": Variant(
+                lambda: comm.reduce_apply((x,), (weight,), (ReduceOp.MEAN,), add, ("profile",)), write
+            ),
+            "assign_add": Variant(lambda: v.assign_add(x), write, strategy),
+        },
+    )
 
 
-def _peak_growth(strategy: MPIStrategy, v: Any, grad: np.ndarray) -> int:
-    """Collective: the most memory (traced allocations) one update allocates beyond what it started with."""
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        with strategy.scope():
-            strategy.run(lambda: v.assign_add(grad))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    return int(strategy.communicator.mpi_comm.allreduce(peak - before, op=MPI.MAX))
+def _peak_growth(bench: Bench, variant: Variant) -> int:
+    """Collective: the most memory (traced allocations) one call of ``variant`` allocates beyond its start."""
+    peak = [0]
+
+    def traced() -> None:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            variant.call()
+            peak[0] = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+
+    bench.sample(Variant(traced, variant.write, variant.strategy), 1)
+    return int(bench.comm.allreduce(peak[0], op=MPI.MAX))
 
 
-def bench_resnet(bench: _Bench, strategies: dict[str, MPIStrategy]) -> None:
+def resnet_variants(
+    bench: Bench, strategies: dict[str, MPIStrategy], shapes: Optional[Sequence[tuple[int, ...]]] = None
+) -> dict[str, Variant]:
+    """Collective (it makes variables): the variants of the ``resnet50`` case (``shapes``: ResNet-50's by default)."""
     torch = _torch()
-    shapes = resnet50_shapes()
-    raw_grads = [np.zeros(s, np.float32) for s in shapes]
-    raw_tmps = [np.zeros(s, np.float32) for s in shapes]
-    raw_weights = [np.zeros(s, np.float32) for s in shapes]
-    hand_loops = [_hand_loop(bench.comm, g, t, w) for g, t, w in zip(raw_grads, raw_tmps, raw_weights)]
-    flat = np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)
+    shapes = resnet50_shapes() if shapes is None else list(shapes)
+    grads = bench.gradients
+    raw_grads = [np.empty(s, np.float32) for s in shapes]
+    hand_grads = [np.empty(s, np.float32) for s in shapes]
+    hand_loops = [_hand_loop(bench.comm, g, _weights(s), _weights(s)) for g, s in zip(hand_grads, shapes)]
+    flat = np.empty(sum(int(np.prod(s)) for s in shapes), np.float32)
     check, flat_strategy = strategies["check"], strategies["flat"]
     with flat_strategy.scope():
-        flat_vars = [Variable(np.zeros(s, np.float32), aggregation=VariableAggregation.MEAN, name=f"flat{i}")
-                     for i, s in enumerate(shapes)]
+        flat_vars = [_mirrored(_weights(s), f"flat{i}") for i, s in enumerate(shapes)]
     flat_grads = flat_strategy.flat_zeros_like(flat_vars)
     with check.scope():
-        plain_vars = [Variable(np.zeros(s, np.float32), aggregation=VariableAggregation.MEAN, name=f"plain{i}")
-                      for i, s in enumerate(shapes)]
-    plain_grads = [np.zeros(s, np.float32) for s in shapes]
-    reduced = [np.empty_like(g) for g in plain_grads]
+        plain_vars = [_mirrored(_weights(s), f"plain{i}") for i, s in enumerate(shapes)]
+    plain_grads = [np.empty(s, np.float32) for s in shapes]
+    reduced = [_weights(s) for s in shapes]
+    write_raw, write_plain, write_flat = grads.writer(raw_grads), grads.writer(plain_grads), grads.writer(flat_grads)
 
     def per_variable() -> None:
         for v, g in zip(plain_vars, plain_grads):
             v.assign_add(g)
 
+    def raw_per_array() -> None:
+        for g in raw_grads:
+            bench.comm.Allreduce(MPI.IN_PLACE, g, MPI.SUM)
+
+    def hand_loop_per_array() -> None:
+        for step in hand_loops:
+            step()
+
     variants = {
-        "raw_per_array": _repeat(lambda: [bench.comm.Allreduce(MPI.IN_PLACE, g, MPI.SUM) for g in raw_grads]),
-        "hand_loop_per_array": _repeat(lambda: [step() for step in hand_loops]),
-        "raw_flat_one_call": _repeat(lambda: bench.comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)),
-        "mpidist_batch_update_flat": _in_replica(flat_strategy, lambda: flat_strategy.batch_update(
-            zip(flat_vars, flat_grads))),
-        "mpidist_batch_update_flat_in_place": _in_replica(flat_strategy, lambda: flat_strategy.batch_update(
-            zip(flat_vars, flat_grads), in_place=True)),
-        "mpidist_batch_update": _in_replica(check, lambda: check.batch_update(zip(plain_vars, plain_grads))),
-        "mpidist_per_variable": _in_replica(check, per_variable),
-        "mpidist_reduce_list": _repeat(lambda: check.reduce("sum", plain_grads)),
-        "mpidist_reduce_list_out": _repeat(lambda: check.reduce("sum", plain_grads, out=reduced)),
-        "mpidist_all_reduce_out": _in_replica(check, lambda: get_replica_context().all_reduce(
-            "sum", plain_grads, out=reduced)),
-        "mpidist_reduce_list_in_place": _repeat(lambda: check.reduce("sum", raw_grads, out=raw_grads)),
+        "raw_per_array": Variant(raw_per_array, write_raw),
+        "hand_loop_per_array": Variant(hand_loop_per_array, grads.writer(hand_grads)),
+        "raw_flat_one_call": Variant(lambda: bench.comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM), grads.writer([flat])),
+        "mpidist_batch_update_flat": Variant(
+            lambda: flat_strategy.batch_update(zip(flat_vars, flat_grads)), write_flat, flat_strategy
+        ),
+        "mpidist_batch_update_flat_in_place": Variant(
+            lambda: flat_strategy.batch_update(zip(flat_vars, flat_grads), in_place=True), write_flat, flat_strategy
+        ),
+        "mpidist_batch_update": Variant(lambda: check.batch_update(zip(plain_vars, plain_grads)), write_plain, check),
+        "mpidist_per_variable": Variant(per_variable, write_plain, check),
+        "mpidist_reduce_list": Variant(lambda: check.reduce("sum", plain_grads), write_plain),
+        "mpidist_reduce_list_out": Variant(lambda: check.reduce("sum", plain_grads, out=reduced), write_plain),
+        "mpidist_all_reduce_out": Variant(_all_reduce_into(reduced, plain_grads), write_plain, check),
+        "mpidist_reduce_list_in_place": Variant(lambda: check.reduce("sum", raw_grads, out=raw_grads), write_raw),
     }
     if bench.dist is not None:
         tensors = [torch.from_numpy(g) for g in raw_grads]
-        variants["gloo_per_array"] = _repeat(lambda: [bench.dist.all_reduce(t) for t in tensors])
-    bench.compare("resnet50", "161 arrays", variants)
-    bench.note("resnet50", "161 arrays", arrays=len(shapes), values=int(flat.size))
+
+        def gloo_per_array() -> None:
+            for t in tensors:
+                bench.dist.all_reduce(t)
+
+        variants["gloo_per_array"] = Variant(gloo_per_array, write_raw)
+    return variants
 
 
-def bench_fusion(bench: _Bench) -> None:
+def bench_resnet(bench: Bench, strategies: dict[str, MPIStrategy]) -> None:
     shapes = resnet50_shapes()
-    grads = [np.zeros(s, np.float32) for s in shapes]
+    bench.compare("resnet50", "161 arrays", resnet_variants(bench, strategies, shapes))
+    bench.note("resnet50", "161 arrays", arrays=len(shapes), values=sum(int(np.prod(s)) for s in shapes))
+
+
+def bench_fusion(bench: Bench) -> None:
+    shapes = resnet50_shapes()
+    grads = [np.empty(s, np.float32) for s in shapes]
+    write = bench.gradients.writer(grads)
     variants = {}
     strategies = []
     for limit in (0, 64 * 1024, 256 * 1024, _MIB, 4 * _MIB):
         s = MPIStrategy(device="cpu", fusion_bytes=limit, abort_on_error=False)
         with s.scope():
-            vs = [Variable(np.zeros(sh, np.float32), aggregation=VariableAggregation.MEAN) for sh in shapes]
-        variants[str(limit)] = _in_replica(s, lambda s=s, vs=vs: s.batch_update(zip(vs, grads)))
+            vs = [_mirrored(_weights(sh)) for sh in shapes]
+        variants[str(limit)] = Variant(functools.partial(s.batch_update, list(zip(vs, grads))), write, s)
         strategies.append(s)
     bench.compare("fusion", "resnet50 arrays", variants)
     for s in strategies:
         s.free()
 
 
-def bench_overlap(bench: _Bench, strategy: MPIStrategy, max_bytes: int) -> None:
+def bench_overlap(bench: Bench, strategy: MPIStrategy, max_bytes: int) -> None:
     nbytes = min(64 * _MIB, max_bytes)
-    buf = np.zeros(nbytes // 4, np.float32)
+    buf = np.empty(nbytes // 4, np.float32)
+    write = bench.gradients.writer([buf])
     comm = strategy.communicator
-    blocking = bench.compare("overlap", str(nbytes), {"blocking": _repeat(lambda: comm.allreduce(buf, inplace=True))})
+    blocking = bench.compare(
+        "overlap", str(nbytes), {"blocking": Variant(lambda: comm.allreduce(buf, inplace=True), write)}
+    )
     spin = blocking["blocking"]
     waits = []
     for _ in range(bench.repeats):
+        write()
         bench.comm.Barrier()
         handle = comm.iallreduce(buf, inplace=True)
         until = time.perf_counter() + spin
@@ -422,8 +643,12 @@ def bench_overlap(bench: _Bench, strategy: MPIStrategy, max_bytes: int) -> None:
         start = time.perf_counter()
         handle.wait()
         waits.append(bench.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    bench.note("overlap", str(nbytes), wait_after_compute_s=statistics.median(waits),
-               left_for_wait=statistics.median(waits) / spin)
+    bench.note(
+        "overlap",
+        str(nbytes),
+        wait_after_compute_s=statistics.median(waits),
+        left_for_wait=statistics.median(waits) / spin,
+    )
 
 
 def _torch() -> Any:
@@ -439,18 +664,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-results", help="directory for results.json, results.md, busbw.png")
     parser.add_argument("--repeats", type=int, default=7, help="samples per measurement (median reported)")
     parser.add_argument("--max-bytes", type=int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
-    parser.add_argument("--cases", default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile",
-                        help="comma-separated subset of the cases")
+    parser.add_argument(
+        "--cases",
+        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile",
+        help="comma-separated subset of the cases",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) baseline")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark with parsed arguments (see :func:`add_arguments`). Collective: run it under mpiexec."""
     cases = set(args.cases.split(","))
-    bench = _Bench(args.repeats, None if args.no_torch else _init_gloo(MPI.COMM_WORLD))
-    strategies = {"check": MPIStrategy(device="cpu", abort_on_error=False),
-                  "nocheck": MPIStrategy(device="cpu", check_collectives=False, timeout=None, abort_on_error=False),
-                  "flat": MPIStrategy(device="cpu", flat_variables=True, abort_on_error=False)}
+    bench = Bench(args.repeats, None if args.no_torch else _init_gloo(MPI.COMM_WORLD))
+    strategies = make_strategies()
     started = time.time()
     if "sweep" in cases:
         bench_sweep(bench, strategies, args.max_bytes)
@@ -470,13 +696,22 @@ def run(args: argparse.Namespace) -> int:
         bench_safety(bench)
     if "profile" in cases:
         bench_profile(bench, strategies["check"])
-    meta = {"ranks": bench.size, "mpi": library_version(),
-            "python": platform.python_version(), "numpy": np.__version__, "cpus": os.cpu_count(),
-            "machine": platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "seconds": round(time.time() - started, 1), "repeats": args.repeats,
-            "pipeline_bytes": strategies["check"].options.pipeline_bytes,
-            "fusion_bytes": strategies["check"].options.fusion_bytes,
-            "torch": getattr(_torch(), "__version__", None) if bench.dist is not None else None}
+    meta = {
+        "ranks": bench.size,
+        "mpi": library_version(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seconds": round(time.time() - started, 1),
+        "repeats": args.repeats,
+        "inputs": INPUTS,
+        "mpi_settings": mpi_settings(),
+        "pipeline_bytes": strategies["check"].options.piece_bytes,
+        "fusion_bytes": strategies["check"].options.fusion_bytes,
+        "torch": getattr(_torch(), "__version__", None) if bench.dist is not None else None,
+    }
     for s in strategies.values():
         s.free()
     if bench.dist is not None:

@@ -5,11 +5,13 @@ run; they pass no verdict. Local: runs on one rank after the measurements.
 The plot needs matplotlib (the ``bench`` extra); without it only the Markdown
 is written.
 """
+
 from __future__ import annotations
 
 import os
 import statistics
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
 from mpidist._units import human_size, human_time
 
@@ -56,8 +58,10 @@ def placements(results: dict[str, Any]) -> None:
             ps = [allreduce / copy for allreduce, copy in e.get("probes", ())]
             if not ps:
                 continue
-            rounds = [_SHARED if max(a, b) <= _SHARED_BELOW else _SPLIT if min(a, b) >= _SPLIT_FROM else _MIXED
-                      for a, b in zip(ps, ps[1:])]
+            rounds = [
+                _SHARED if max(a, b) <= _SHARED_BELOW else _SPLIT if min(a, b) >= _SPLIT_FROM else _MIXED
+                for a, b in zip(ps, ps[1:])
+            ]
             e["rounds"] = rounds
             for v in e.values():
                 if isinstance(v, dict) and "samples_s" in v:
@@ -77,8 +81,14 @@ def _busbw(nbytes: int, seconds: float, ranks: int) -> float:
 
 def _table(title: str, header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
     """A Markdown section: a ``##`` title and a table."""
-    return ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows)]
+    return [
+        "",
+        f"## {title}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---" * len(header) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def _by_size(case: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
@@ -88,8 +98,16 @@ def _by_size(case: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
 
 def _sweep_row(nbytes: int, e: dict[str, Any], ranks: int) -> list[str]:
     m, raw, gloo = median(e, "mpidist"), median(e, "raw"), median(e, "gloo")
-    return [human_size(nbytes), _t(raw), _t(m), _ratio(m, raw), _t(median(e, "mpidist_nocheck")), _t(gloo),
-            _ratio(gloo, m), f"{_busbw(nbytes, m, ranks):.2f}"]
+    return [
+        human_size(nbytes),
+        _t(raw),
+        _t(m),
+        _ratio(m, raw),
+        _t(median(e, "mpidist_nocheck")),
+        _t(gloo),
+        _ratio(gloo, m),
+        "-" if m is None else f"{_busbw(nbytes, m, ranks):.2f}",
+    ]
 
 
 # Bytes each update moves through memory per float32 element, outside MPI: the fused update reads the
@@ -101,10 +119,27 @@ _FUSED_BYTES, _HAND_LOOP_BYTES = 12, 28
 def _update_row(nbytes: int, e: dict[str, Any], add_gbps: Optional[float]) -> list[str]:
     hand, m, batch = median(e, "hand_loop"), median(e, "mpidist"), median(e, "mpidist_batch_update")
     floor = None if add_gbps is None else nbytes // 4 * _FUSED_BYTES / (add_gbps * 1e9)
-    times = [_t(median(e, name)) for name in ("raw_allreduce", "hand_loop", "mpidist", "mpidist_batch_update",
-                                              "mpidist_in_place", "mpidist_nocheck", "gloo_hand_loop")]
-    return [human_size(nbytes), *times, _ratio(m, hand), _ratio(batch, hand), _t(floor), _ratio(m, floor),
-            human_size(e["peak_extra_bytes"])]
+    times = [
+        _t(median(e, name))
+        for name in (
+            "raw_allreduce",
+            "hand_loop",
+            "mpidist",
+            "mpidist_batch_update",
+            "mpidist_in_place",
+            "mpidist_nocheck",
+            "gloo_hand_loop",
+        )
+    ]
+    return [
+        human_size(nbytes),
+        *times,
+        _ratio(m, hand),
+        _ratio(batch, hand),
+        _t(floor),
+        _ratio(m, floor),
+        human_size(e["peak_extra_bytes"]),
+    ]
 
 
 def _layers(e: dict[str, Any]) -> list[list[str]]:
@@ -130,85 +165,175 @@ def _placement(meta: dict[str, Any], results: dict[str, Any]) -> list[str]:
     ratios = [allreduce / copy for allreduce, copy in probes]
     counts = {kind: sum(e["rounds"].count(kind) for _, _, e in entries) for kind in (_SHARED, _SPLIT, _MIXED)}
     few = [f"{case} {key}" for case, key, e in entries if e["rounds"].count(_SHARED) < _MIN_ROUNDS]
-    return ["", "## Placement of the ranks", "",
-            f"Probe before and after each round of samples: a raw 1 MiB allreduce against a copy of 1 MiB within "
-            f"a rank (slowest rank's medians of five), {_t(min(p[0] for p in probes))} to "
-            f"{_t(max(p[0] for p in probes))}, {min(ratios):.1f} to {max(ratios):.1f} copies. Rounds with the ranks "
-            f"sharing a cache (both probes at most {_SHARED_BELOW:g} copies): {counts[_SHARED]}; not sharing one "
-            f"(both at least {_SPLIT_FROM:g}): {counts[_SPLIT]}; changing: {counts[_MIXED]}. The tables give the "
-            "medians of all rounds. "
-            + (f"Fewer than {_MIN_ROUNDS} shared rounds: {', '.join(few)}." if few else
-               f"Every measurement had at least {_MIN_ROUNDS} shared rounds.")
-            + (f" More ranks ({meta['ranks']}) than this node has CPUs ({meta['cpus']}): the probes also measure the "
-               "ranks taking turns on the cores, so a slow round need not mean a split placement."
-               if meta["ranks"] > meta["cpus"] else "")]
+    return [
+        "",
+        "## Placement of the ranks",
+        "",
+        f"Probe before and after each round of samples: a raw 1 MiB allreduce against a copy of 1 MiB within "
+        f"a rank (slowest rank's medians of five), {_t(min(p[0] for p in probes))} to "
+        f"{_t(max(p[0] for p in probes))}, {min(ratios):.1f} to {max(ratios):.1f} copies. Rounds with the ranks "
+        f"sharing a cache (both probes at most {_SHARED_BELOW:g} copies): {counts[_SHARED]}; not sharing one "
+        f"(both at least {_SPLIT_FROM:g}): {counts[_SPLIT]}; changing: {counts[_MIXED]}. The tables give the "
+        "medians of all rounds. "
+        + (
+            f"Fewer than {_MIN_ROUNDS} shared rounds: {', '.join(few)}."
+            if few
+            else f"Every measurement had at least {_MIN_ROUNDS} shared rounds."
+        )
+        + (
+            f" More ranks ({meta['ranks']}) than this node has CPUs ({meta['cpus']}): the probes also measure the "
+            "ranks taking turns on the cores, so a slow round need not mean a split placement."
+            if meta["ranks"] > meta["cpus"]
+            else ""
+        ),
+    ]
 
 
 def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
-    out = [f"# mpidist benchmark: {meta['ranks']} ranks, {meta['mpi']}", "",
-           f"{meta['date']}; Python {meta['python']}, NumPy {meta['numpy']}, torch {meta['torch'] or '(not run)'}; "
-           f"{meta['cpus']} CPUs; medians of {meta['repeats']} samples (slowest rank); "
-           f"pipeline_bytes {human_size(meta['pipeline_bytes'])}, fusion_bytes {human_size(meta['fusion_bytes'])}; "
-           f"{meta['seconds']} s in all."]
+    out = [
+        f"# mpidist benchmark: {meta['ranks']} ranks, {meta['mpi']}",
+        "",
+        f"{meta['date']}; Python {meta['python']}, NumPy {meta['numpy']}, torch {meta['torch'] or '(not run)'}; "
+        f"{meta['cpus']} CPUs; medians of {meta['repeats']} samples (slowest rank); "
+        f"pipeline_bytes {human_size(meta['pipeline_bytes'])}, fusion_bytes {human_size(meta['fusion_bytes'])}; "
+        f"{meta['seconds']} s in all.",
+    ]
+    if meta.get("inputs"):
+        settings = ", ".join(
+            f"{name}={'(not set)' if value is None else value}" for name, value in meta.get("mpi_settings", {}).items()
+        )
+        out += [
+            "",
+            f"Inputs: {meta['inputs']} (gradients written with new values before every call, as a training "
+            f"step writes them; weights written once). MPI settings: {settings or '-'}.",
+        ]
     out += _placement(meta, results)
     if "sweep" in results:
-        out += _table("Allreduce sweep (float32 SUM, in place)",
-                      ["size", "raw mpi4py", "mpidist", "mpidist/raw", "mpidist, check off", "gloo", "gloo/mpidist",
-                       "busbw mpidist GB/s"],
-                      (_sweep_row(nbytes, e, meta["ranks"]) for nbytes, e in _by_size(results["sweep"])))
+        out += _table(
+            "Allreduce sweep (float32 SUM, in place)",
+            [
+                "size",
+                "raw mpi4py",
+                "mpidist",
+                "mpidist/raw",
+                "mpidist, check off",
+                "gloo",
+                "gloo/mpidist",
+                "busbw mpidist GB/s",
+            ],
+            (_sweep_row(nbytes, e, meta["ranks"]) for nbytes, e in _by_size(results["sweep"])),
+        )
     if "pieces" in results:
         names = [name for name, v in next(iter(results["pieces"].values())).items() if isinstance(v, dict)]
-        out += _table("Piece size (mpidist allreduce, check off)",
-                      ["size", *(human_size(int(p)) if p.isdigit() else "one call" for p in names)],
-                      ([human_size(nbytes), *(_t(median(e, p)) for p in names)]
-                       for nbytes, e in _by_size(results["pieces"])))
+        out += _table(
+            "Piece size (mpidist allreduce, check off)",
+            ["size", *(human_size(int(p)) if p.isdigit() else "one call" for p in names)],
+            ([human_size(nbytes), *(_t(median(e, p)) for p in names)] for nbytes, e in _by_size(results["pieces"])),
+        )
     add_gbps = None
     for nbytes, e in _by_size(results.get("memory", {})):
         add_gbps = e["add_GBps"]
-        out += ["", "## Memory bandwidth (every rank at once)", "",
-                f"{human_size(nbytes)} arrays: copy {e['copy_GBps']:.1f} GB/s, add {e['add_GBps']:.1f} GB/s "
-                "(bytes read and written per second, per rank)."]
+        out += [
+            "",
+            "## Memory bandwidth (every rank at once)",
+            "",
+            f"{human_size(nbytes)} arrays: copy {e['copy_GBps']:.1f} GB/s, add {e['add_GBps']:.1f} GB/s "
+            "(bytes read and written per second, per rank).",
+        ]
     if "update" in results:
-        out += _table("Mirrored MEAN update (`v.assign_add(g)` in replica context)",
-                      ["size", "raw Allreduce", "hand loop", "mpidist", "batch_update", "batch_update, in place",
-                       "mpidist, check off", "gloo hand loop", "mpidist / hand loop", "batch_update / hand loop",
-                       "floor", "mpidist / floor", "peak extra memory"],
-                      (_update_row(nbytes, e, add_gbps) for nbytes, e in _by_size(results["update"])))
-        out += ["", f"Memory traffic outside MPI, bytes per element: mpidist {_FUSED_BYTES} (reads the gradient, "
-                f"reads and writes the weight, a piece at a time), the hand loop {_HAND_LOOP_BYTES} (it also "
-                "writes, scales and reads a full-size temporary). floor: mpidist's bytes at the measured add "
-                "bandwidth, with no communication at all."]
-    for case, title, bases in (("resnet50", "ResNet-50 parameter shapes (161 float32 arrays, 97.5 MiB)",
-                                ("hand_loop_per_array", "raw_per_array")),
-                               ("fusion", "fusion_bytes (ResNet-50 fused update of ordinary arrays)", ("0",))):
+        out += _table(
+            "Mirrored MEAN update (`v.assign_add(g)` in replica context)",
+            [
+                "size",
+                "raw Allreduce",
+                "hand loop",
+                "mpidist",
+                "batch_update",
+                "batch_update, in place",
+                "mpidist, check off",
+                "gloo hand loop",
+                "mpidist / hand loop",
+                "batch_update / hand loop",
+                "floor",
+                "mpidist / floor",
+                "peak extra memory",
+            ],
+            (_update_row(nbytes, e, add_gbps) for nbytes, e in _by_size(results["update"])),
+        )
+        out += [
+            "",
+            f"Memory traffic outside MPI, bytes per element: mpidist {_FUSED_BYTES} (reads the gradient, "
+            f"reads and writes the weight, a piece at a time), the hand loop {_HAND_LOOP_BYTES} (it also "
+            "writes, scales and reads a full-size temporary). floor: mpidist's bytes at the measured add "
+            "bandwidth, with no communication at all.",
+        ]
+    for case, title, bases in (
+        (
+            "resnet50",
+            "ResNet-50 parameter shapes (161 float32 arrays, 97.5 MiB)",
+            ("hand_loop_per_array", "raw_per_array"),
+        ),
+        ("fusion", "fusion_bytes (ResNet-50 fused update of ordinary arrays)", ("0",)),
+    ):
         for e in results.get(case, {}).values():
-            out += _table(title, ["variant", "time", *(f"vs {base}" for base in bases)],
-                          ([name, _t(median(e, name)), *(_ratio(median(e, name), median(e, base)) for base in bases)]
-                           for name, v in e.items() if isinstance(v, dict)))
-    names = {"all_off": "every check off", "check_only": "check only", "deadline_only": "deadline only",
-             "default": "default (check + deadline)"}
-    for key, title, base in (("allreduce_8B", "Safety settings: 8-byte allreduce", "raw"),
-                             ("update_8B", "Safety settings: 8-byte mirrored MEAN update", "hand_loop")):
+            out += _table(
+                title,
+                ["variant", "time", *(f"vs {base}" for base in bases)],
+                (
+                    [name, _t(median(e, name)), *(_ratio(median(e, name), median(e, base)) for base in bases)]
+                    for name, v in e.items()
+                    if isinstance(v, dict)
+                ),
+            )
+    labels = {
+        "all_off": "every check off",
+        "check_only": "check only",
+        "deadline_only": "deadline only",
+        "default": "default (check + deadline)",
+    }
+    for key, title, base in (
+        ("allreduce_8B", "Safety settings: 8-byte allreduce", "raw"),
+        ("update_8B", "Safety settings: 8-byte mirrored MEAN update", "hand_loop"),
+    ):
         e = results.get("safety", {}).get(key)
         if e:
-            out += _table(title, ["variant", "time", "vs every check off", f"vs {base}"],
-                          ([names.get(name, name), _t(median(e, name)), _ratio(median(e, name), median(e, "all_off")),
-                            _ratio(median(e, name), median(e, base))] for name in e if median(e, name) is not None))
+            out += _table(
+                title,
+                ["variant", "time", "vs every check off", f"vs {base}"],
+                (
+                    [
+                        labels.get(name, name),
+                        _t(median(e, name)),
+                        _ratio(median(e, name), median(e, "all_off")),
+                        _ratio(median(e, name), median(e, base)),
+                    ]
+                    for name in e
+                    if median(e, name) is not None
+                ),
+            )
     profile = results.get("profile", {}).get("update_8B")
     if profile:
-        out += _table("Where an 8-byte mirrored update's time goes (default settings)",
-                      ["layer", "time", "added by this layer"], _layers(profile))
+        out += _table(
+            "Where an 8-byte mirrored update's time goes (default settings)",
+            ["layer", "time", "added by this layer"],
+            _layers(profile),
+        )
     for nbytes, e in _by_size(results.get("overlap", {})):
-        out += ["", "## Nonblocking: progress during computation", "",
-                f"{human_size(nbytes)}: blocking allreduce {_t(median(e, 'blocking'))}; started with `iallreduce`, "
-                f"then as long a computation without MPI calls, then `wait()`: {_t(e['wait_after_compute_s'])} "
-                f"({e['left_for_wait']:.2f} of the blocking time was left for `wait()`)."]
+        out += [
+            "",
+            "## Nonblocking: progress during computation",
+            "",
+            f"{human_size(nbytes)}: blocking allreduce {_t(median(e, 'blocking'))}; started with `iallreduce`, "
+            f"then as long a computation without MPI calls, then `wait()`: {_t(e['wait_after_compute_s'])} "
+            f"({e['left_for_wait']:.2f} of the blocking time was left for `wait()`).",
+        ]
     return "\n".join(out) + "\n"
 
 
 def _plot(meta: dict[str, Any], results: dict[str, Any], path: str) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -216,7 +341,8 @@ def _plot(meta: dict[str, Any], results: dict[str, Any], path: str) -> bool:
     sweep = _by_size(results["sweep"])
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, label in (("mpidist", "mpidist"), ("raw", "raw mpi4py Allreduce"), ("gloo", "torch gloo")):
-        points = [(nbytes, _busbw(nbytes, median(e, name), meta["ranks"])) for nbytes, e in sweep if median(e, name)]
+        times = [(nbytes, median(e, name)) for nbytes, e in sweep]
+        points = [(nbytes, _busbw(nbytes, t, meta["ranks"])) for nbytes, t in times if t]
         if points:
             ax.plot(*zip(*points), marker="o", label=label)
     ax.set_xscale("log", base=2)
