@@ -39,6 +39,7 @@ from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport
+from mpidist._comm.tuning import tune_at_run_time
 from mpidist._errors import CollectiveMismatchError, CommError, format_ranks, on_rank
 from mpidist._options import Options
 
@@ -83,6 +84,7 @@ class Communicator:
         self.options = options if options is not None else Options.resolve()
         try:
             self._comm = base.Dup()
+            tune_at_run_time(self._comm)
             self._topology = Topology(self._comm)
             self._transport = Transport(self._comm, self.options)
             self._algorithms = Algorithms(self._transport, self._topology)

@@ -4,7 +4,8 @@ Run it under the launcher you use for real work (``mpiexec -n 4 python -m mpidis
 ``srun --mpi=pmix python -m mpidist doctor``). Every rank describes itself (host, node-local
 rank, cores it may run on, its GPU); rank 0 prints one report: the MPI library and version,
 the launcher seen, ranks per node and node count, each rank's GPU binding, whether MPI is
-CUDA-aware (with the device-buffer self-test), NCCL availability, and warnings with fixes
+CUDA-aware (with the device-buffer self-test), NCCL availability, the algorithm of Open
+MPI's nonblocking allreduce and who chose it, and warnings with fixes
 (a world of one rank under ``srun``, more ranks or threads than cores, GPUs shared between
 ranks).
 
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 from mpidist._comm.backend import cupy_version, nccl_status
+from mpidist._comm.tuning import libnbc_iallreduce_algorithm, ring_setting
 from mpidist._errors import format_ranks
 
 if TYPE_CHECKING:
@@ -237,12 +239,19 @@ def collect(device: Optional[str] = None, timeout: float = 60.0) -> Optional[dic
                 "cuda_aware": bool(comm.cuda_aware) if all_gpu else None,
                 "cuda_aware_reason": comm.cuda_awareness.reason,
                 "nccl": nccl_status(),
+                "nonblocking_allreduce": _nonblocking_allreduce(),
                 "library_warnings": [str(w.message) for w in caught],
                 "ranks": ranks,
             }
     finally:
         comm.free()
     return report
+
+
+def _nonblocking_allreduce() -> dict[str, Any]:
+    """Local: Open MPI's nonblocking allreduce algorithm, and how it came about (``mpidist/_comm/tuning.py``)."""
+    setting = ring_setting()
+    return {"how": setting.how, "detail": setting.detail, "algorithm": libnbc_iallreduce_algorithm()}
 
 
 # -- what is wrong -------------------------------------------------------------------------------
@@ -412,6 +421,7 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
         ("arrays", ", ".join("NumPy on the CPU" if d == "numpy" else "CuPy on a GPU per rank" for d in devices)),
         ("CUDA-aware MPI", _cuda_text(report)),
         ("NCCL", report["nccl"]),
+        ("MPI_Iallreduce", report["nonblocking_allreduce"]["detail"]),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"mpidist doctor: {size} rank{'s' if size != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}", ""]

@@ -58,6 +58,7 @@ def _report(ranks, launcher="mpiexec (Open MPI)", nodes=1):
         "cuda_aware_setting": "auto",
         "cuda_aware": None,
         "nccl": "not available (CuPy is not installed)",
+        "nonblocking_allreduce": {"how": "MPI_T", "detail": "ring: set by mpidist through MPI_T", "algorithm": 1},
         "library_warnings": [],
         "ranks": ranks,
     }
@@ -73,6 +74,7 @@ def test_a_healthy_job_has_no_warnings():
     text = _doctor.format_report(report, [])
     assert "2 ranks on 1 node" in text and "no problems found" in text
     assert "0-1" in text and "2-3" in text  # each rank's cores
+    assert "MPI_Iallreduce  ring: set by mpidist through MPI_T" in text
 
 
 def test_one_rank_worlds_under_srun_are_named_with_the_fix():
@@ -152,6 +154,10 @@ def test_doctor_json_and_a_wrong_world_size():
     assert result.returncode == 0, result.describe()
     report = json.loads(result.stdout)
     assert report["world_size"] == 2 and [r["local_rank"] for r in report["ranks"]] == [0, 1]
+    # python -m mpidist imports mpidist before MPI starts: Open MPI's ring comes from the environment
+    open_mpi = report["mpi"]["library"].startswith("Open MPI")
+    expected = {"how": "environment", "algorithm": 1} if open_mpi else {"how": "not applicable", "algorithm": None}
+    assert {k: report["nonblocking_allreduce"][k] for k in expected} == expected, result.describe()
     wrong = run_mpi(2, [sys.executable, "-m", "mpidist", "doctor", "--expect-ranks", "3"], timeout=TIMEOUT)
     assert wrong.returncode not in (0, None), wrong.describe()
     assert "the MPI world has 2 ranks, but 3 were expected" in wrong.stderr, wrong.describe()

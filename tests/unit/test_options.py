@@ -169,6 +169,8 @@ def test_open_mpi_nonblocking_allreduce_algorithm_is_chosen_before_mpi_starts(
     from mpidist._comm import tuning
 
     var = "OMPI_MCA_coll_libnbc_iallreduce_algorithm"
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what it sets must not reach later tests' jobs
+    monkeypatch.setattr(tuning, "_env_set", False)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", size)
     if chosen is None:
         monkeypatch.delenv(var, raising=False)
@@ -180,3 +182,4 @@ def test_open_mpi_nonblocking_allreduce_algorithm_is_chosen_before_mpi_starts(
         monkeypatch.setitem(sys.modules, "mpi4py.MPI", sys.modules.get("mpi4py.MPI", object()))
     tuning.tune_before_init()
     assert os.environ.get(var) == expected
+    assert tuning._env_set == (expected is not None and chosen is None)  # known as mpidist's own, not the user's
