@@ -416,7 +416,7 @@ def slurm_finished(slurm, cluster):
             args = (
                 ["--epochs", "1", "--checkpoint-dir", str(workdir / f"ckpt-{launcher}")]
                 if script == "train"
-                else [str(REPO / "tests" / "mpi" / "test_strategy.py"), "-k", "reduce"]
+                else [str(REPO / "tests" / "parallel" / "test_strategy.py"), "-k", "reduce"]
             )
             command = [
                 "sbatch",

@@ -1,4 +1,4 @@
-"""Coordinated stops under a real Slurm (marker ``slurm``; the MPI side is ``tests/mpi/test_preemption.py``).
+"""Coordinated stops under a real Slurm (marker ``slurm``; the MPI side is ``tests/parallel/test_preemption.py``).
 
 Submits ``jobs/train.sbatch``, signals it as ``--signal=B:USR1`` would, and checks that it saves,
 requeues itself, resumes at the saved step and ends with the same weights as an uninterrupted run.

@@ -178,7 +178,7 @@ def _jobs(flavour: str, workdir: Path) -> list[Job]:
     }
     world = rf"mpidist doctor: {TASKS} ranks on 1 node"
     ckpt = ["--checkpoint-dir", str(workdir / "ckpt")]
-    quick_tests = [str(REPO / "tests" / "mpi" / "test_strategy.py"), "-k", "reduce"]
+    quick_tests = [str(REPO / "tests" / "parallel" / "test_strategy.py"), "-k", "reduce"]
 
     def bench(launcher):  # the smallest run of `python -m mpidist bench`: a few small allreduces
         return [

@@ -1,4 +1,4 @@
-"""A small mpidist program that misbehaves on purpose; tests/mpi/test_faults.py launches it.
+"""A small mpidist program that misbehaves on purpose; tests/parallel/test_faults.py launches it.
 
     mpiexec -n N python fault_job.py SCENARIO
 

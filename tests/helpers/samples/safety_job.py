@@ -5,7 +5,7 @@
 ``abort_on_error`` is off and every error is caught, so what ends each case is
 the agreement itself. Each rank appends one line per case to
 ``OUT_DIR/rank<R>.txt``: ``<case> <seconds> <ExceptionType>: <message>`` (or
-``<case> <seconds> ok <detail>``). tests/mpi/test_collective_safety.py reads them.
+``<case> <seconds> ok <detail>``). tests/parallel/test_collective_safety.py reads them.
 """
 
 import gc

@@ -1,4 +1,4 @@
-"""How Open MPI's nonblocking allreduce algorithm was settled; tests/mpi/test_tuning.py launches it.
+"""How Open MPI's nonblocking allreduce algorithm was settled; tests/parallel/test_tuning.py launches it.
 
     mpiexec -n N python tuning_job.py {mpi4py-first|mpidist-first} OUT_DIR
 
