@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from mpidist._tools.bench_report import median
+from mpidist._tools.bench_report import median, piece_bytes
 from mpidist._units import human_size
 
 _MIB = 1 << 20
@@ -136,7 +136,7 @@ def _memory(results: dict[str, Any], shared: bool) -> list[Verdict]:
     entry = results.get("update", {}).get(str(256 * _MIB))
     if not entry:
         return []
-    extra, limit = entry["peak_extra_bytes"], 2 * entry["pipeline_bytes"]
+    extra, limit = entry["peak_extra_bytes"], 2 * piece_bytes(entry)
     return [
         (
             "256 MiB update: peak memory grows by at most 2 pieces",

@@ -462,7 +462,7 @@ def bench_update(bench: Bench, strategies: dict[str, MPIStrategy], max_bytes: in
             "update",
             str(nbytes),
             peak_extra_bytes=_peak_growth(bench, variants["mpidist"]),
-            pipeline_bytes=strategies["check"].options.piece_bytes,
+            piece_bytes=strategies["check"].options.piece_bytes,
         )
 
 
@@ -708,7 +708,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "inputs": INPUTS,
         "mpi_settings": mpi_settings(),
-        "pipeline_bytes": strategies["check"].options.piece_bytes,
+        "piece_bytes": strategies["check"].options.piece_bytes,
         "fusion_bytes": strategies["check"].options.fusion_bytes,
         "torch": getattr(_torch(), "__version__", None) if bench.dist is not None else None,
     }

@@ -31,6 +31,11 @@ def _t(seconds: Optional[float]) -> str:
     return "-" if seconds is None else human_time(seconds)
 
 
+def piece_bytes(record: dict[str, Any]) -> int:
+    """Local: the piece size a results record was measured with (``pipeline_bytes`` in files of earlier versions)."""
+    return int(record["piece_bytes"] if "piece_bytes" in record else record["pipeline_bytes"])
+
+
 def median(entry: dict[str, Any], name: str, shared: bool = False) -> Optional[float]:
     """Local: the median seconds of variant ``name`` in one ``results.json`` entry (``None``: not measured).
 
@@ -195,7 +200,7 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         "",
         f"{meta['date']}; Python {meta['python']}, NumPy {meta['numpy']}, torch {meta['torch'] or '(not run)'}; "
         f"{meta['cpus']} CPUs; medians of {meta['repeats']} samples (slowest rank); "
-        f"pipeline_bytes {human_size(meta['pipeline_bytes'])}, fusion_bytes {human_size(meta['fusion_bytes'])}; "
+        f"piece_bytes {human_size(piece_bytes(meta))}, fusion_bytes {human_size(meta['fusion_bytes'])}; "
         f"{meta['seconds']} s in all.",
     ]
     if meta.get("inputs"):

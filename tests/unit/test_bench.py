@@ -17,7 +17,7 @@ import types
 
 import numpy as np
 
-from mpidist._tools.bench_report import median, placements, write_reports
+from mpidist._tools.bench_report import median, piece_bytes, placements, write_reports
 from mpirun import run_mpi
 from paths import REPO
 
@@ -49,7 +49,7 @@ META = {
     "date": "2026-01-01 00:00:00",
     "seconds": 1.0,
     "repeats": 1,
-    "pipeline_bytes": 2 << 20,
+    "piece_bytes": 2 << 20,
     "fusion_bytes": 64 << 10,
     "torch": None,
 }
@@ -67,7 +67,7 @@ RESULTS = {
             "mpidist_in_place": _timed(1e-5),
             "mpidist_nocheck": _timed(6e-6),
             "peak_extra_bytes": 0,
-            "pipeline_bytes": 2 << 20,
+            "piece_bytes": 2 << 20,
         },
         str(64 << 20): {
             "raw_allreduce": _timed(0.02),
@@ -77,7 +77,7 @@ RESULTS = {
             "mpidist_in_place": _timed(0.017),
             "mpidist_nocheck": _timed(0.018),
             "peak_extra_bytes": 0,
-            "pipeline_bytes": 2 << 20,
+            "piece_bytes": 2 << 20,
         },
     },
     "memory": {str(256 << 20): {"copy": _timed(0.05), "add": _timed(0.1), "copy_GBps": 10.0, "add_GBps": 8.0}},
@@ -136,7 +136,7 @@ def test_rounds_are_labelled_by_the_probes_around_them(tmp_path):
                 "mpidist_batch_update": _rounds(fused),
                 "probes": probes,
                 "peak_extra_bytes": 0,
-                "pipeline_bytes": 2 << 20,
+                "piece_bytes": 2 << 20,
             }
         },
         "memory": {"8": {"copy": _timed(1.0), "add": _timed(1.0), "copy_GBps": 1.0, "add_GBps": 1.0}},
@@ -347,3 +347,8 @@ def test_the_user_script_and_the_bench_time_the_same_calls_under_mpiexec(tmp_pat
     assert re.search(rf"\| small \| mpidist \| hand_loop {ratios} 3.00x \| - \|", out), out
     assert re.search(rf"\| resnet_reduce \| reduce_out \| raw_per_array {ratios} - \| - \|", out), out
     assert re.search(r"placement of the ranks \(.*\): \d rounds sharing a cache, \d not, \d changing", out), out
+
+
+def test_results_of_earlier_versions_name_the_piece_size_pipeline_bytes():
+    assert piece_bytes({"piece_bytes": 8 << 20}) == 8 << 20
+    assert piece_bytes({"pipeline_bytes": 4 << 20}) == 4 << 20  # results.json of 0.2
