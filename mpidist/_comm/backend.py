@@ -29,6 +29,7 @@ __all__ = [
     "cupy_or_none",
     "cupy_version",
     "data_pointer",
+    "device_into_host",
     "is_device_array",
     "nccl_status",
     "to_host",
@@ -67,6 +68,16 @@ def is_device_array(array: Any) -> bool:
     if device is not None:
         return device()[0] in _DEVICE_KINDS
     return hasattr(array, "__cuda_array_interface__")
+
+
+def device_into_host(source: Any, target: Any) -> bool:
+    """Whether ``source`` is a device array and ``target`` a host one, a pair no reduction takes.
+
+    MPI would read the device buffer without its stream synchronisation, or get a device pointer
+    when it is not CUDA-aware. Arrays of one class never are such a pair: callers on latency
+    paths compare classes first.
+    """
+    return is_device_array(source) and not is_device_array(target)
 
 
 def data_pointer(array: Array) -> int:
@@ -191,6 +202,11 @@ class Backend:
         otherwise their data is copied into a pinned host buffer (reused
         between calls when ``reuse``; pass ``reuse=False`` for buffers that
         stay in flight, as in nonblocking calls).
+
+        The one place that makes device buffers ready for MPI: a device array
+        reaches MPI only after this ran for it, or for the other buffer of the
+        same call (the synchronisation covers the whole stream); only host
+        arrays go to MPI directly.
         """
         if not is_device_array(array):
             return array

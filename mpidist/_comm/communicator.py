@@ -30,7 +30,7 @@ from mpidist._comm import overflow
 from mpidist._comm.abort import install_exit_hook
 from mpidist._comm.agreement import Agreement, Call, Kind, validate
 from mpidist._comm.algorithms import Algorithms
-from mpidist._comm.backend import Backend, array_module
+from mpidist._comm.backend import Backend, array_module, device_into_host, is_device_array
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.fusion import Fusion, UpdateFn
 from mpidist._comm.handle import Handle
@@ -175,8 +175,9 @@ class Communicator:
         """Collective: reduce ``array`` elementwise across all ranks.
 
         Returns the reduced array (``array`` itself when ``inplace``, else a new
-        array, or ``out`` when given). ``MEAN`` divides the sum by the number of
-        ranks and is only defined for floating and complex dtypes. With
+        array, or ``out`` when given: of the input's shape and dtype, and a
+        device array when the input is one). ``MEAN`` divides the sum by the
+        number of ranks and is only defined for floating and complex dtypes. With
         ``options.check_finite``, a NaN or Inf on any rank raises
         :class:`~mpidist.NonFiniteError` on every rank instead of spreading. Buffers
         larger than ``options.piece_bytes`` are reduced in pieces of that
@@ -398,7 +399,7 @@ class Communicator:
             if error is not None:
                 raise error
             if blocking and self._one_call(target) and not self._checked(op, array):
-                # the common small host case: one piece, no staging (the per-update latency path)
+                # the common small host case: one piece, nothing to synchronise or stage (the per-update latency path)
                 self._choose(target.nbytes).reduce(
                     "allreduce", None if target is array else array, target, self._transport.mpi_op(op, array.dtype)
                 )
@@ -502,7 +503,12 @@ class Communicator:
         return overflow.narrow(wide, array.dtype, name, self.rank)
 
     def _one_call(self, target: Array) -> bool:
-        return target.nbytes <= self.options.piece_bytes and not self.backend.needs_staging(target, self.cuda_aware)
+        """Local: whether MPI may reduce into ``target`` with one call, as it is: small, and on the host.
+
+        Device arrays always go through :meth:`Backend.to_mpi`, which synchronises their stream
+        (a host ``target`` has a host input: :meth:`_out_error`).
+        """
+        return target.nbytes <= self.options.piece_bytes and not is_device_array(target)
 
     def _broadcast(self, array: Array, root: Any, name: str, blocking: bool) -> Any:
         # root: Any, what the user passed (checked here)
@@ -680,6 +686,14 @@ class Communicator:
             )
         if not out.flags.c_contiguous or not out.flags.writeable:
             return ValueError(on_rank(self.rank, f"allreduce of {name!r}: out= must be C-contiguous and writable"))
+        if out.__class__ is not array.__class__ and device_into_host(array, out):
+            return ValueError(
+                on_rank(
+                    self.rank,
+                    f"allreduce of {name!r}: out= must be a device array like the input, "
+                    f"got a {type(out).__module__}.{type(out).__name__} in host memory",
+                )
+            )
         return None
 
 

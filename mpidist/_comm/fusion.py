@@ -36,7 +36,7 @@ import numpy as np
 from mpidist._comm import overflow
 from mpidist._comm.agreement import Agreement, Call, Kind, validate
 from mpidist._comm.algorithms import Algorithms
-from mpidist._comm.backend import Backend, array_module, data_pointer, is_device_array
+from mpidist._comm.backend import Backend, array_module, data_pointer, device_into_host, is_device_array
 from mpidist._comm.flat_store import joinable, span
 from mpidist._comm.handle import Handle
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
@@ -263,7 +263,8 @@ class Fusion:
         results rather than views of one large new buffer: memory allocators
         recycle arrays of ordinary sizes, while a fresh buffer of the whole
         size would be faulted in page by page on every call.) ``out``, one
-        array per input of its shape and dtype, allocates nothing.
+        array per input of its shape and dtype (a device array for a device
+        input), allocates nothing.
         """
         error = None
         if out is None:
@@ -492,6 +493,14 @@ def _out_error(arrays: Sequence[Array], out: Sequence[Any], rank: int) -> Option
                     f"out[{i}] must be a writable contiguous array of shape "
                     f"{tuple(a.shape)} and dtype {a.dtype}, got "
                     f"{getattr(o, 'shape', type(o).__name__)} {getattr(o, 'dtype', '')}",
+                )
+            )
+        if o.__class__ is not a.__class__ and device_into_host(a, o):
+            return ValueError(
+                on_rank(
+                    rank,
+                    f"out[{i}] must be a device array like the value it receives, "
+                    f"got a {type(o).__module__}.{type(o).__name__} in host memory",
                 )
             )
     return None

@@ -209,6 +209,116 @@ def test_nonblocking_fused_reduction(comm, device_ledger):
     assert_equal(out[0], np.full(4, n, np.int64)) and assert_equal(out[1], np.full(600, n, np.int64))
 
 
+# -- every agreement check off: the direct paths still synchronise ------------------------------------
+UNCHECKED = dict(check_collectives=False, timeout=None, check_finite=False)  # no agreement step at all
+
+
+@pytest.fixture(scope="module")
+def unchecked():
+    """:func:`comm` with every agreement check off: collectives go straight to the data."""
+    c = Communicator(MPI.COMM_WORLD, Options.resolve(device="gpu", piece_bytes=4096, **UNCHECKED))
+    yield c
+    c.free()
+
+
+def assert_synchronised(ledger, comm):
+    """No device buffer reached MPI with unfinished work writing it (and MPI saw some, when CUDA-aware)."""
+    assert ledger.violations == [], ledger.violations
+    assert ledger.implicit == []
+    if comm.cuda_aware and comm.size > 1:
+        assert ledger.mpi_reads > 0, ledger.snapshot()
+
+
+@pytest.mark.parametrize("elements", [1, 16, 1024])  # one piece: the direct path of small arrays
+@pytest.mark.parametrize("mode", ["new", "inplace", "out", "nonblocking"])
+def test_unchecked_small_allreduce_synchronises(unchecked, device_ledger, elements, mode):
+    import cupy
+
+    n, r = unchecked.size, unchecked.rank
+    out = cupy.empty(elements, dtype=cupy.float32)
+    for _ in range(2):
+        mine = cupy.full(elements, r + 1, dtype=cupy.float32)  # queued on the stream, not finished
+        device_ledger.reset()
+        if mode == "inplace":
+            result = unchecked.allreduce(mine, "sum", inplace=True)
+        elif mode == "out":
+            result = unchecked.allreduce(mine, "sum", out=out)
+        elif mode == "nonblocking":
+            result = unchecked.iallreduce(mine, "sum").wait()
+        else:
+            result = unchecked.allreduce(mine, "sum")
+        assert_synchronised(device_ledger, unchecked)
+        assert_equal(result, np.full(elements, n * (n + 1) / 2, np.float32))
+
+
+def test_unchecked_broadcast_and_allgather_synchronise(unchecked, device_ledger):
+    import cupy
+
+    n, r = unchecked.size, unchecked.rank
+    x = cupy.full(7, r, dtype=cupy.int32)
+    device_ledger.reset()
+    b = unchecked.broadcast(x, root=n - 1)
+    g = unchecked.allgather(cupy.full(3, r, dtype=cupy.int64))
+    h = unchecked.ibroadcast(cupy.full(2, r, dtype=cupy.float64), root=0).wait()
+    assert_synchronised(device_ledger, unchecked)
+    assert_equal(b, np.full(7, n - 1, np.int32)) and assert_equal(h, np.zeros(2))
+    assert_equal(g, np.repeat(np.arange(n), 3))
+
+
+@pytest.mark.parametrize("sizes", [[5], [3, 5, 7]])  # one array (the per-update path), one bucket
+def test_unchecked_fused_reductions_synchronise(unchecked, device_ledger, sizes):
+    import cupy
+
+    n, r = unchecked.size, unchecked.rank
+    arrays = [cupy.full(k, r + 1.0, dtype=cupy.float32) for k in sizes]
+    device_ledger.reset()
+    out = unchecked.allreduce_many(arrays, "sum")
+    later = unchecked.iallreduce_many([a * 2 for a in arrays], "sum").wait()
+    assert_synchronised(device_ledger, unchecked)
+    for k, o, twice in zip(sizes, out, later):
+        assert_equal(o, np.full(k, n * (n + 1) / 2, np.float32))
+        assert_equal(twice, np.full(k, n * (n + 1), np.float32))
+
+
+def test_unchecked_mirrored_update_synchronises(device_ledger):
+    import cupy
+
+    s = md.MPIStrategy(device="gpu", piece_bytes=4096, **UNCHECKED)
+    try:
+        n, r = s.num_replicas_in_sync, s.rank
+        with s.scope():
+            v = md.Variable(cupy.zeros(2, dtype=cupy.float32), name="w", aggregation=md.VariableAggregation.MEAN)
+        for step in range(1, 4):
+            grad = cupy.full(2, r + 1, dtype=cupy.float32)  # written just before the update
+            device_ledger.reset()
+            s.run(lambda: v.assign_add(grad))
+            assert_synchronised(device_ledger, s.communicator)
+            assert_close(v.read_value(), np.full(2, step * (n + 1) / 2, np.float32))
+    finally:
+        s.free()
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_host_out_for_a_device_input_is_refused(comm, unchecked, device_ledger, checked):
+    """MPI would read the device input past its synchronisation (or get a device pointer it cannot read)."""
+    import cupy
+
+    c = comm if checked else unchecked
+    n = c.size
+    mine = cupy.ones(4)
+    with pytest.raises(ValueError, match=r"out= must be a device array like the input, got a numpy\.ndarray"):
+        c.allreduce(mine, "sum", out=np.empty(4))
+    with pytest.raises(ValueError, match=r"out\[1\] must be a device array like the value it receives"):
+        c.allreduce_many([mine, mine], "sum", out=[cupy.empty(4), np.empty(4)])
+    for elements in (4, 5000):  # the other way round works: one piece, and several
+        host, out = np.ones(elements), cupy.full(elements, -1.0)  # out still being written
+        device_ledger.reset()
+        assert_equal(c.allreduce(host, "sum", out=out), np.full(elements, float(n)))
+        out[...] = -1.0
+        assert_equal(c.allreduce_many([host], "sum", out=[out])[0], np.full(elements, float(n)))
+        assert device_ledger.violations == [], device_ledger.violations  # (the agreement may carry small sums)
+
+
 # -- variables and strategies on the device ----------------------------------------------------------
 def test_mirrored_update_copies(strategy, device_ledger):
     import cupy
@@ -245,7 +355,7 @@ def test_batch_update_of_many_variables(device_ledger, flat):
         s.run(lambda: s.batch_update(list(zip(variables, grads)), in_place=True))
         h2d, d2h = device_ledger.copies()
         if s.communicator.cuda_aware:
-            assert (h2d, d2h) == (0, 0) and device_ledger.mpi_reads > 0
+            assert (h2d, d2h) == (0, 0) and (device_ledger.mpi_reads > 0 or n == 1)  # one rank: no MPI call
         else:  # one copy each way per MPI call: flat spans in pieces, others in buckets
             total = sum(int(np.prod(shape)) for shape in shapes) * 4
             assert h2d == d2h and 1 <= h2d <= -(-total // 4096) + len(shapes)
