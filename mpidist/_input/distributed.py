@@ -8,7 +8,9 @@ backend, communicator: what :class:`~mpidist.MPIStrategy` provides). Its
 When a rank cannot know the number of steps alone, the ranks agree on each
 chunk: did every rank's input succeed (``Communicator.outcome``: else the
 failed ranks raise their errors and the others a ``RuntimeError`` naming
-them), and how many steps they all take (one small allreduce). The
+them), and how many steps they all take (one small allreduce). They ask the
+same question once when an epoch's sources open, and, for sources that
+count the elements they drop, once when they have counted them. The
 iterator's position (``get_state()``) keeps the format ``"mpidist.data/1"``.
 This module never calls MPI itself.
 """
@@ -153,9 +155,10 @@ class DistributedIterator:
     ``next()`` returns this rank's element as a nest of ``PerReplica``. It is
     collective (a check that every rank's input succeeded and one allreduce,
     per chunk of ``steps_per_transfer`` steps) when the number of steps is
-    not known in advance, and for a ``dataset_fn``-built dataset the first
-    ``next()`` agrees on the length (one allreduce); otherwise it is local.
-    Every rank must call it the same number of times.
+    not known in advance; for a ``dataset_fn``-built dataset the first
+    ``next()`` agrees on the length (one allreduce); in both cases the first
+    ``next()`` also checks that every rank opened its source (one more).
+    Otherwise it is local. Every rank must call it the same number of times.
     """
 
     def __init__(self, dataset: DistributedDataset) -> None:
@@ -274,9 +277,7 @@ class DistributedIterator:
         """The next chunk from ``prefetcher`` (``None`` at the end of the epoch).
 
         Collective when the ranks agree on the steps (the length is not
-        known): whether every rank's input succeeded. A rank whose source
-        raised raises its error here; every other rank a ``RuntimeError``
-        naming it, so that no rank waits for it.
+        known): whether every rank's input succeeded (:meth:`_check_input`).
         """
         try:
             chunk = prefetcher.get()
@@ -286,52 +287,91 @@ class DistributedIterator:
                 raise
             chunk, error = None, caught
         if self._length is None:
-            failures = self._host.communicator.outcome(error, "data: input ready")
-            if error is not None:
-                raise error
-            if failures:
-                self.close()
-                raise RuntimeError(
-                    on_rank(
-                        self._rank,
-                        f"the input pipeline failed elsewhere in epoch {self._epoch} (offset "
-                        f"{self._offset}): {describe_failures(failures)}. Each of those ranks raises its own error; "
-                        "stopping here too, so that no rank waits",
-                    )
-                )
+            self._check_input(error, "input ready", "reading")
         return chunk
+
+    def _check_input(self, error: Optional[Exception], what: str, doing: str) -> None:
+        """Collective: did every rank's input succeed (``Communicator.outcome``)?
+
+        ``error`` is this rank's failure (``None``: none). If some rank
+        failed, every rank closes the iterator (the position stays) and
+        raises: a failed rank its own ``error``, every other rank a
+        ``RuntimeError`` naming the failed ranks, what failed, the epoch and
+        ``doing``, so that no rank waits for them in a later collective.
+        """
+        failures = self._host.communicator.outcome(error, f"data: {what}")
+        if not failures:
+            return
+        self.close()
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            on_rank(
+                self._rank,
+                f"the input pipeline failed elsewhere in epoch {self._epoch} (offset {self._offset}, "
+                f"{doing}): {describe_failures(failures)}. Each of those ranks raises its own error; "
+                "stopping here too, so that no rank waits",
+            )
+        )
 
     def _end_epoch(self) -> None:
         """Close, then warn about dropped elements. Collective for rank-local sources (files,
-        ``dataset_fn``) that warn: each rank reads the rest of its share to count it, and one
-        allreduce sums the counts (every rank ends the epoch at the same step)."""
+        ``dataset_fn``) that warn: each rank reads the rest of its share to count it, the ranks
+        check that every rank could (:meth:`_check_input`), and one allreduce sums the counts
+        (every rank ends the epoch at the same step)."""
         if self._source.global_position:
             here, total = self._source.dropped_here, self._source.dropped
         else:
             here = total = self._dropped
         if not self._source.global_position and self._dataset._warn_drops:
+            error: Optional[Exception] = None
             if self._prefetcher is not None:
                 try:
                     while (chunk := self._prefetcher.get()) is not None:
                         here += len(chunk)
-                except Exception:
-                    self._agree(0, "elements dropped", ReduceOp.SUM)  # join the others' count, then fail here
-                    raise
+                except Exception as caught:
+                    error = caught
+            self._check_input(error, "rest counted", "counting the elements past the last step")
             total = self._agree(here, "elements dropped", ReduceOp.SUM)
         self.close()
         self._done = True
         self._dataset._report_dropped(here, total, self._epoch)
 
     def _start(self) -> tuple[Prefetcher, Converter]:
-        """Open the epoch's source at the position; collective when the ranks agree on the length."""
-        length = self._source.length(self._epoch, self._offset)
+        """Open the epoch's source at the position.
+
+        Collective when the ranks agree on this epoch's steps (a
+        ``dataset_fn``'s data, whose lengths differ between ranks; a source
+        whose length is unknown, agreed on chunk by chunk): a ``dataset_fn``'s
+        length (one allreduce, MIN), then whether every rank opened its
+        source (:meth:`_check_input`). A ``dataset_fn``'s rank that could not
+        give its length joins the length agreement as "unknown" and raises
+        with the others at the check. Local otherwise.
+        """
+        error: Optional[Exception] = None
+        try:
+            length = self._source.length(self._epoch, self._offset)
+        except Exception as caught:  # a dataset_fn's own failure too (see distribute_datasets_from_function)
+            if not self._source.collective_length:
+                raise
+            length, error = None, caught
         if self._source.collective_length:
             agreed = self._agree(-1 if length is None else length, "dataset length")
             self._dropped = 0 if agreed < 0 else length - agreed
             length = None if agreed < 0 else agreed
         self._length = length
         converter = self._converter = Converter(self._host.backend)
-        chunks = self._source.chunks(self._epoch, self._offset, self._dataset.steps_per_transfer, length, self._seed)
+        if error is None:
+            try:
+                chunks = self._source.chunks(
+                    self._epoch, self._offset, self._dataset.steps_per_transfer, length, self._seed
+                )
+            except Exception as caught:
+                error = caught
+        if self._source.collective_length or length is None:
+            self._check_input(error, "source opened", "opening its source")
+        if error is not None:  # not checked: every rank knows the length, none waits for this one
+            raise error
         prepare = converter.prepare if converter.staging else None
         prefetcher = self._prefetcher = Prefetcher(chunks, prepare, self._dataset.prefetch)
         return prefetcher, converter

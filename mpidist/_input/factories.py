@@ -34,7 +34,7 @@ not yet seen. Creating a distributed dataset is local.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from mpidist._errors import on_rank
 from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
@@ -159,12 +159,16 @@ def distribute_datasets_from_function(
 ) -> DistributedDataset:
     """Call ``dataset_fn(InputContext)`` on each rank and iterate what it returns.
 
-    The call is local, made once, here. Each step every rank takes the next
-    element of its own iterable; iterating is collective: the first ``next()``
-    of each iterator agrees on the length (MIN over ranks, one allreduce),
-    and when some rank's iterable has no ``len()`` every chunk of steps is
-    agreed on. An iterable that is its own iterator (a generator) is read
-    only once (a second ``iter()`` raises ``RuntimeError``); return a
+    The call is local, made once, here. If it raises (or returns something
+    that is not iterable), the error is kept: each iterator of the dataset
+    raises it when it starts, on this rank, while the other ranks raise a
+    ``RuntimeError`` naming this one instead of waiting for it. Each step
+    every rank takes the next element of its own iterable; iterating is
+    collective: the first ``next()`` of each iterator agrees on the length
+    (MIN over ranks, one allreduce) and checks that every rank opened its
+    iterable (one more), and when some rank's iterable has no ``len()``
+    every chunk of steps is agreed on. An iterable that is its own iterator
+    (a generator) is read only once (a second ``iter()`` raises ``RuntimeError``); return a
     re-iterable object (a list, an :class:`ArrayDataset`) to iterate several
     epochs. ``set_epoch`` reaches the iterable's own
     ``set_epoch``, if it has one. Elements past the shortest rank's last
@@ -173,12 +177,17 @@ def distribute_datasets_from_function(
     """
     size, rank = host.num_replicas_in_sync, host.rank
     _check_drop_remainder(drop_remainder, None)
-    data = dataset_fn(InputContext(size, rank, size))
-    _require_iterable(data, on_rank(rank, "the value returned by dataset_fn"))
+    data: Any = None
+    try:
+        data = dataset_fn(InputContext(size, rank, size))
+        _require_iterable(data, on_rank(rank, "the value returned by dataset_fn"))
+        stream, length = epoch_stream(data), lambda: _length_of(data)
+    except Exception as error:  # only this rank knows: raised where the ranks agree on the length
+        stream = length = _raising(error)
     source = StreamSource(
         "function",
-        epoch_stream(data),
-        lambda: _length_of(data),
+        stream,
+        length,
         1,
         0,
         rank,
@@ -221,6 +230,15 @@ def _require_iterable(data: Any, what: str) -> None:
         raise TypeError(
             f"{what} must be iterable (a list, generator, ArrayDataset, FileDataset, ...), got {type(data).__name__}"
         ) from None
+
+
+def _raising(error: Exception) -> Callable[..., NoReturn]:
+    """A function that raises ``error``, whatever it is called with."""
+
+    def fail(*_: Any) -> NoReturn:
+        raise error
+
+    return fail
 
 
 def _length_of(data: Any) -> Optional[int]:

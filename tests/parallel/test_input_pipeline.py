@@ -12,11 +12,15 @@ import collections
 import fractions
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +29,7 @@ from mpi4py import MPI
 from mpidist._comm.communicator import Communicator
 from mpidist._distribute.metrics import Accuracy, Mean, Sum
 from mpidist._distribute.strategy import MPIStrategy
+from mpidist._errors import CollectiveTimeoutError
 from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
 from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
 from mpidist._input.multistep import MultiStepContext
@@ -573,10 +578,141 @@ def test_every_failed_rank_is_named_and_the_iterators_go_on_agreeing(strategy):
             next(it)
     else:
         named = "; ".join(f"rank {q}: OSError: disk {q} gone" for q in range(1, n))
-        with pytest.raises(RuntimeError, match=re.escape(f"(offset {n}): {named}. Each of those ranks")) as info:
+        expected = f"(offset {n}, reading): {named}. Each of those ranks"
+        with pytest.raises(RuntimeError, match=re.escape(expected)) as info:
             next(it)
         assert str(info.value).startswith("rank 0: the input pipeline failed elsewhere in epoch 0")
     assert values(distribute_dataset(strategy, NoLen(2 * n))) == [r, n + r]  # no collective left behind
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh directory every rank sees (made by rank 0, its path broadcast), removed afterwards.
+
+    It is made in ``MPIDIST_TEST_SHARED_DIR`` when set (a shared file system, for runs over
+    several nodes), else in the temporary directory.
+    """
+    base = os.environ.get("MPIDIST_TEST_SHARED_DIR") or None
+    world_comm = MPI.COMM_WORLD
+    path = world_comm.bcast(tempfile.mkdtemp(prefix="mpidist-input-", dir=base) if world_comm.rank == 0 else None)
+    yield Path(path)
+    world_comm.Barrier()
+    if world_comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def short_strategy():
+    """A strategy with a 20 s deadline: a rank left waiting for another would fail the test in 20 s, not 600."""
+    s = MPIStrategy(timeout=20)
+    yield s
+    s.free()
+
+
+def _read_ints(path):
+    """A FileDataset reader: one int per line of a text file."""
+    with open(path) as f:
+        for line in f:
+            yield int(line)
+
+
+def _write_files(directory, lines):
+    """Rank 0 writes ``lines[i]`` as the file ``part-i.txt`` of ``directory``; every rank gets the paths."""
+    paths = [str(directory / f"part-{i}.txt") for i in range(len(lines))]
+    if MPI.COMM_WORLD.rank == 0:
+        for path, text in zip(paths, lines):
+            Path(path).write_text(text)
+    MPI.COMM_WORLD.Barrier()
+    return paths
+
+
+def _resumed_files_of_which_the_last_rank_lost_its_file(strategy, directory):
+    """Batched files resumed mid-epoch, the last rank's file gone: its source fails when it opens at the position."""
+    r, n = world()
+    paths = _write_files(directory, ["".join(f"{10 * i + j}\n" for j in range(3)) for i in range(n)])
+    dist = distribute_dataset(strategy, FileDataset(paths, _read_ints, global_batch_size=n))
+    it = iter(dist)
+    assert next(it).get().tolist() == [10 * r]
+    state = it.get_state()
+    it.close()
+    if r == n - 1:
+        os.remove(paths[-1])
+    return lambda: next(dist.iterator_from_state(state)), FileNotFoundError, f"part-{n - 1}.txt"
+
+
+def _dataset_fn_that_raises_on_the_last_rank(strategy, directory):
+    """``dataset_fn`` raises on the last rank: every rank hears of it when an iterator starts."""
+    _, n = world()
+
+    def dataset_fn(ctx):
+        if ctx.input_pipeline_id == n - 1:
+            raise OSError("no shard for this rank")
+        return list(range(4))
+
+    dist = distribute_datasets_from_function(strategy, dataset_fn)
+    return lambda: list(dist), OSError, "no shard for this rank"
+
+
+class _Shard:
+    """A rank's data with a len() (so the ranks agree on the length at once); ``set_epoch`` opens the epoch's files."""
+
+    def __init__(self, readable):
+        self.readable = readable
+
+    def __len__(self):
+        return 4
+
+    def __iter__(self):
+        return iter(range(4))
+
+    def set_epoch(self, epoch):
+        if not self.readable:
+            raise PermissionError(f"shard of epoch {epoch} not readable")
+
+
+def _dataset_fn_whose_data_cannot_be_opened_on_the_last_rank(strategy, directory):
+    """The lengths agree, then the last rank's data fails to open: no chunk follows for the others to agree on."""
+    _, n = world()
+    dist = distribute_datasets_from_function(strategy, lambda ctx: _Shard(ctx.input_pipeline_id < n - 1))
+    return lambda: list(dist), PermissionError, "shard of epoch 0 not readable"
+
+
+def _files_whose_last_rank_fails_past_the_last_step(strategy, directory):
+    """By file, the last rank holds one record more, then a bad line: it fails while counting what it drops."""
+    _, n = world()
+    lines = ["0\n1\n2\n"] * (n - 1) + ["0\n1\n2\n3\nbad\n"]
+    dist = distribute_dataset(strategy, FileDataset(_write_files(directory, lines), _read_ints), prefetch=0)
+    return lambda: list(dist), ValueError, "invalid literal for int"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _resumed_files_of_which_the_last_rank_lost_its_file,
+        _dataset_fn_that_raises_on_the_last_rank,
+        _dataset_fn_whose_data_cannot_be_opened_on_the_last_rank,
+        _files_whose_last_rank_fails_past_the_last_step,
+    ],
+    ids=["resumed-file-missing", "dataset-fn-raises", "dataset-fn-data-unopenable", "failing-past-the-last-step"],
+)
+def test_a_source_failing_on_the_last_rank_stops_every_rank_at_once(short_strategy, shared_dir, case):
+    """Every rank raises in the same call, within seconds: the last rank its own error, the others a
+    RuntimeError naming it; no rank is left in a collective, so the strategy goes on working."""
+    r, n = world()
+    run, error, text = case(short_strategy, shared_dir)
+    start = time.monotonic()
+    if r == n - 1:
+        with pytest.raises(error, match=text):
+            run()
+    else:
+        with pytest.raises(RuntimeError) as info:
+            run()
+        assert not isinstance(info.value, CollectiveTimeoutError), info.value
+        message = str(info.value)
+        assert message.startswith(f"rank {r}: the input pipeline failed elsewhere in epoch 0"), message
+        assert f"rank {n - 1}: {error.__name__}: " in message and text in message, message
+    assert time.monotonic() - start < 10  # the deadline is 20 s
+    assert short_strategy.reduce("sum", np.ones(1), axis=None).tolist() == [n]
 
 
 def test_the_input_layer_needs_only_an_input_host():
