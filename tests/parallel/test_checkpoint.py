@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -67,18 +66,9 @@ class PerRankState:
 
 
 @pytest.fixture
-def shared_dir():
-    """A fresh directory every rank sees (made by rank 0, path broadcast), removed afterwards.
-
-    It is made in ``MPIDIST_TEST_SHARED_DIR`` when set (a shared file system, for runs over
-    several nodes), else in the temporary directory.
-    """
-    base = os.environ.get("MPIDIST_TEST_SHARED_DIR") or None
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="mpidist-ckpt-", dir=base) if WORLD.rank == 0 else None)
-    yield Path(path) / "ckpt"
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
+def shared_dir(shared_tmp):
+    """The checkpoint directory, inside a fresh directory every rank sees (``shared_tmp``)."""
+    return shared_tmp / "ckpt"
 
 
 @contextlib.contextmanager

@@ -8,11 +8,7 @@ that leaves the job) is checked the same way by the whole-job runs of test_colle
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,15 +110,10 @@ def test_mirror_divergence():
     strategy.free()
 
 
-@pytest.fixture()
-def shared_dir():
-    """A fresh directory every rank sees (made by rank 0, path broadcast), removed afterwards."""
-    base = os.environ.get("MPIDIST_TEST_SHARED_DIR") or None
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="mpidist-voice-", dir=base) if WORLD.rank == 0 else None)
-    yield Path(path) / "ckpt"
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
+@pytest.fixture
+def shared_dir(shared_tmp):
+    """The checkpoint directory, inside a fresh directory every rank sees (``shared_tmp``)."""
+    return shared_tmp / "ckpt"
 
 
 def test_checkpoint_errors(shared_dir):

@@ -14,8 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 import types
@@ -586,22 +584,6 @@ def test_every_failed_rank_is_named_and_the_iterators_go_on_agreeing(strategy):
 
 
 @pytest.fixture
-def shared_dir():
-    """A fresh directory every rank sees (made by rank 0, its path broadcast), removed afterwards.
-
-    It is made in ``MPIDIST_TEST_SHARED_DIR`` when set (a shared file system, for runs over
-    several nodes), else in the temporary directory.
-    """
-    base = os.environ.get("MPIDIST_TEST_SHARED_DIR") or None
-    world_comm = MPI.COMM_WORLD
-    path = world_comm.bcast(tempfile.mkdtemp(prefix="mpidist-input-", dir=base) if world_comm.rank == 0 else None)
-    yield Path(path)
-    world_comm.Barrier()
-    if world_comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def short_strategy():
     """A strategy with a 20 s deadline: a rank left waiting for another would fail the test in 20 s, not 600."""
     s = MPIStrategy(timeout=20)
@@ -695,11 +677,11 @@ def _files_whose_last_rank_fails_past_the_last_step(strategy, directory):
     ],
     ids=["resumed-file-missing", "dataset-fn-raises", "dataset-fn-data-unopenable", "failing-past-the-last-step"],
 )
-def test_a_source_failing_on_the_last_rank_stops_every_rank_at_once(short_strategy, shared_dir, case):
+def test_a_source_failing_on_the_last_rank_stops_every_rank_at_once(short_strategy, shared_tmp, case):
     """Every rank raises in the same call, within seconds: the last rank its own error, the others a
     RuntimeError naming it; no rank is left in a collective, so the strategy goes on working."""
     r, n = world()
-    run, error, text = case(short_strategy, shared_dir)
+    run, error, text = case(short_strategy, shared_tmp)
     start = time.monotonic()
     if r == n - 1:
         with pytest.raises(error, match=text):
