@@ -177,7 +177,8 @@ def test_broadcast_allgather_reduce_scatter_copies(comm, device_ledger):
     device_ledger.reset()
     block = comm.reduce_scatter(cupy.ones((n, 3), dtype=cupy.float64))
     assert_copies(device_ledger, comm, h2d=1, d2h=2)
-    assert_equal(g, np.zeros(7 * n, np.int32)) and assert_equal(block, np.full((1, 3), float(n)))
+    assert_equal(g, np.zeros(7 * n, np.int32))
+    assert_equal(block, np.full((1, 3), float(n)))
 
 
 @pytest.mark.parametrize("sizes", [[3, 5, 7], [2000, 3, 1500]])  # one bucket; a large array and a bucket
@@ -206,7 +207,8 @@ def test_nonblocking_fused_reduction(comm, device_ledger):
     arrays[0][...] = -1  # the inputs were copied when the call started
     out = handle.wait()
     assert_copies(device_ledger, comm, h2d=1, d2h=1)  # one buffer per dtype
-    assert_equal(out[0], np.full(4, n, np.int64)) and assert_equal(out[1], np.full(600, n, np.int64))
+    assert_equal(out[0], np.full(4, n, np.int64))
+    assert_equal(out[1], np.full(600, n, np.int64))
 
 
 # -- every agreement check off: the direct paths still synchronise ------------------------------------
@@ -261,7 +263,8 @@ def test_unchecked_broadcast_and_allgather_synchronise(unchecked, device_ledger)
     g = unchecked.allgather(cupy.full(3, r, dtype=cupy.int64))
     h = unchecked.ibroadcast(cupy.full(2, r, dtype=cupy.float64), root=0).wait()
     assert_synchronised(device_ledger, unchecked)
-    assert_equal(b, np.full(7, n - 1, np.int32)) and assert_equal(h, np.zeros(2))
+    assert_equal(b, np.full(7, n - 1, np.int32))
+    assert_equal(h, np.zeros(2))
     assert_equal(g, np.repeat(np.arange(n), 3))
 
 
@@ -393,7 +396,8 @@ def test_strategy_reduce_and_gather_on_the_device(strategy):
     assert_equal(strategy.reduce("sum", value), np.full((2, 3), n * (n + 1) / 2))
     assert_equal(strategy.reduce("mean", value, axis=0), np.full(3, (n + 1) / 2))
     many = strategy.reduce("max", [value, md.PerReplica({r: cupy.arange(4) + r})])
-    assert_equal(many[0], np.full((2, 3), float(n))) and assert_equal(many[1], np.arange(4) + n - 1)
+    assert_equal(many[0], np.full((2, 3), float(n)))
+    assert_equal(many[1], np.arange(4) + n - 1)
     gathered = strategy.gather(md.PerReplica({r: cupy.full((2, r + 1), r)}), axis=1)
     assert isinstance(gathered, cupy.ndarray)
     assert_equal(gathered, np.concatenate([np.full((2, q + 1), q) for q in range(n)], axis=1))
