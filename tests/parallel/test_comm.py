@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpidist import CollectiveMismatchError, CollectiveTimeoutError
 from mpidist._comm.communicator import Communicator
-from mpidist._errors import format_ranks
+from mpidist._errors import format_ranks, on_rank
 from mpidist._options import Options
 
 pytestmark = pytest.mark.mpi
@@ -278,7 +278,11 @@ def test_timeout_names_the_missing_rank():
         assert 1.0 <= elapsed < 6.0
         assert info.value.missing_ranks == (1,)
         assert "rank 1 has not arrived" in str(info.value)
-        assert any("still waiting" in str(w.message) and "rank 1 has not arrived" in str(w.message) for w in caught)
+        assert str(info.value).startswith(on_rank(c.rank, ""))  # the one rank prefix, error and warning alike
+        assert any(
+            str(w.message).startswith(on_rank(c.rank, "still waiting")) and "rank 1 has not arrived" in str(w.message)
+            for w in caught
+        )
         with pytest.raises(Exception, match="unusable"):
             c.allreduce(np.ones(3))
     MPI.COMM_WORLD.Barrier()  # realign before the next test

@@ -2,13 +2,12 @@
 
 Under mpiexec (1, 2 and 3 ranks). Each test triggers one class for real (no error is built by
 hand) and checks that the message begins with ``on_rank(rank, ...)``'s ``"rank N: "``, on every
-rank that raises. Errors that need two ranks to disagree skip at one rank. RankLeftError (a rank
-that leaves the job) is checked the same way by the whole-job runs of test_collective_safety.py.
+rank that raises. Errors that need two ranks to disagree skip at one rank. CollectiveTimeoutError
+(and its warning) is checked in test_comm.py's timeout test, RankLeftError (a rank that leaves the
+job) by the whole-job runs of test_collective_safety.py.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from mpidist import (
     CheckpointError,
     ChecksumError,
     CollectiveMismatchError,
-    CollectiveTimeoutError,
     CommError,
     IntegerOverflowError,
     MirrorDivergenceError,
@@ -82,19 +80,6 @@ def test_communicator_unusable():
     with pytest.raises(CommError) as info:
         c.allreduce(np.ones(2))
     assert_prefixed(info.value, WORLD.rank)
-
-
-def test_collective_timeout():
-    needs_two_ranks()
-    c = Communicator(WORLD, Options.resolve(env={}, timeout=1.0))
-    c.barrier()
-    if c.rank != 1:
-        with warnings.catch_warnings(record=True) as caught, pytest.raises(CollectiveTimeoutError) as info:
-            warnings.simplefilter("always")
-            c.allreduce(np.ones(3))
-        assert_prefixed(info.value, c.rank)
-        assert any(str(w.message).startswith(on_rank(c.rank, "still waiting")) for w in caught)
-    WORLD.Barrier()  # realign: the abandoned communicator is left to the end of the job
 
 
 def test_mirror_divergence():
