@@ -84,9 +84,9 @@ class Communicator:
         self.options = options if options is not None else Options.resolve()
         try:
             self._comm = base.Dup()
-            tune_at_run_time(self._comm)
-            self._topology = Topology(self._comm)
             self._transport = Transport(self._comm, self.options)
+            tune_at_run_time(self._transport)
+            self._topology = Topology(self._comm)
             self._algorithms = Algorithms(self._transport, self._topology)
         except MPI.Exception as exc:
             raise CommError(

@@ -32,10 +32,15 @@ import dataclasses
 import logging
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
+
+from mpidist._errors import on_rank
+
 if TYPE_CHECKING:
-    from mpi4py import MPI
+    from mpidist._comm.transport import Transport
 
 __all__ = ["RingSetting", "libnbc_iallreduce_algorithm", "ring_setting", "tune_at_run_time", "tune_before_init"]
 
@@ -56,7 +61,8 @@ class RingSetting:
     ``"MPI_T"`` (mpidist's choice, set through the tool interface after MPI started),
     ``"user"`` (the user's choice stays), ``"not applicable"`` (not Open MPI, or 4 ranks
     and more), ``"failed"`` (the tool interface failed on some rank: Open MPI's own
-    choice stays), ``"undecided"`` (no mpidist communicator over the whole world yet).
+    choice stays, or, where putting the default back failed too, the ring on this rank
+    only, with a warning), ``"undecided"`` (no mpidist communicator over the whole world yet).
     ``detail`` says the same for people, with the values.
     """
 
@@ -84,16 +90,18 @@ def tune_before_init() -> None:
         _env_set = True
 
 
-def tune_at_run_time(comm: MPI.Intracomm) -> None:
-    """Collective over ``comm`` (a new private communicator): settle the algorithm once per process.
+def tune_at_run_time(transport: Transport) -> None:
+    """Collective over ``transport.comm`` (a new private communicator): settle the algorithm once per process.
 
-    Acts at the first ``comm`` over the whole MPI world (the setting is per process,
+    Acts at the first communicator over the whole MPI world (the setting is per process,
     so every rank that runs collectives with these ranks must share it); later calls,
     and communicators over part of the world, return at once without communicating.
-    Under Open MPI below 4 ranks it makes one small allreduce on ``comm``, so that the
-    ring is set on every rank or on none: where another rank kept the user's choice or
-    could not set it, the ranks that have the ring put the default back. A failure is
-    logged at debug level and leaves Open MPI's choice.
+    Under Open MPI below 4 ranks it makes one small allreduce through ``transport``
+    (under its deadline), so that the ring is set on every rank or on none: where
+    another rank kept the user's choice or could not set it, the ranks that have the
+    ring put the default back. A failure is logged at debug level and leaves Open
+    MPI's choice; should putting the default back fail, the ranks disagree on the
+    algorithm and a warning says how to settle it.
     """
     global _settled
     if _settled is not None:
@@ -113,15 +121,33 @@ def tune_at_run_time(comm: MPI.Intracomm) -> None:
             "not applicable", f"Open MPI's own choice at {world.size} ranks (mpidist chooses the ring below 4)"
         )
         return
-    if comm.Compare(world) == MPI.UNEQUAL:
+    if transport.comm.Compare(world) == MPI.UNEQUAL:
         return  # settled at a communicator over the whole world
     local = _settle_locally()
-    if not comm.allreduce(int(local.in_effect), op=MPI.MIN) and local.in_effect:
+    # An allgather, not an allreduce: the nonblocking form (under a deadline) is not run by the
+    # iallreduce algorithm the ranks may disagree on here
+    transport.begin()
+    everyone = np.empty(transport.size, dtype=np.int32)
+    transport.run(
+        "the choice of Open MPI's iallreduce algorithm", "Allgather", np.array([local.in_effect], np.int32), everyone
+    )
+    if not everyone.all() and local.in_effect:
         try:  # another rank kept the user's choice or could not set the ring: the same default everywhere
             write_control_variable(_CVAR, _DEFAULT)
             local = RingSetting("failed", "Open MPI's own choice: not every rank could set the ring")
-        except OSError as exc:
+        except Exception as exc:  # ctypes and MPI_T fail in many ways: the warning says so
             logger.debug("could not put %s back to %d through MPI_T: %s", _CVAR, _DEFAULT, exc)
+            local = RingSetting("failed", f"the ring stays on this rank only: putting the default back failed ({exc})")
+            warnings.warn(
+                on_rank(
+                    transport.rank,
+                    f"could not put Open MPI's {_CVAR} back to its default ({exc}) after another rank "
+                    "could not set the ring: the ranks now use different iallreduce algorithms. "
+                    f"Set {_LIBNBC_ALLREDUCE} in the job's environment (e.g. to 0 or 1) to choose one for every rank",
+                ),
+                RuntimeWarning,
+                stacklevel=2,
+            )
     _settled = local
 
 
@@ -130,16 +156,16 @@ def _settle_locally() -> RingSetting:
     chosen = _users_choice()
     if chosen is not None:
         return chosen
+    if _env_set:  # MPI_Init read it: in effect, whatever MPI_T could say
+        return RingSetting("environment", "ring: set by mpidist in the environment before MPI started")
     from mpidist._comm.library import read_control_variable, write_control_variable
 
     try:
         current = read_control_variable(_CVAR)
-        if current == _RING and _env_set:
-            return RingSetting("environment", "ring: set by mpidist in the environment before MPI started")
         if current != _DEFAULT:
             return RingSetting("user", f"the user's choice: {_CVAR}={current} (an MCA parameter)")
         write_control_variable(_CVAR, _RING)
-    except OSError as exc:
+    except Exception as exc:  # ctypes, MPI_T: every rank must reach the agreement
         logger.debug("could not set %s to the ring (%d) through MPI_T: %s", _CVAR, _RING, exc)
         return RingSetting("failed", f"Open MPI's own choice: setting the ring through MPI_T failed ({exc})")
     return RingSetting("MPI_T", "ring: set by mpidist through MPI_T, MPI having started before mpidist was imported")
