@@ -39,9 +39,8 @@ the sweep) are written with new values that depend on the rank and on the
 call, as a backward pass would write them (:class:`Gradients`); memory that is
 only read or updated (weights, variables, scratch buffers) is written once when
 it is made. No input is a never-written ``np.zeros``: the kernel maps those to
-its zero page, which reads as free and made earlier runs of this benchmark
-report reductions of such gradients as cheaper than they are for a real
-training step.
+its zero page, which reads as free, so reductions of them would look cheaper
+than they are in a real training step.
 
 Each call is timed alone, as a user's script times it: the write (not timed),
 a barrier, then the call; a call's time is that of the slowest rank. A sample
