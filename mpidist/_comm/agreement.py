@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._comm.backend import array_module, is_device_array
+from mpidist._comm.backend import array_module, device_into_host, is_device_array
 from mpidist._comm.outcome import gather_texts, group_ranks
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._comm.transport import Transport
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     # What a call moves: one array, the list of arrays of a fused reduction, or nothing (a barrier).
     CallData = Union[Array, list[Array], tuple[Array, ...], None]
 
-__all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate"]
+__all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate", "validate_out"]
 
 # dtype chars MPI can move.
 DTYPES = "?bhilqBHILQefdFD"
@@ -166,6 +166,32 @@ def validate(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable:
     except AttributeError:
         fine = False
     return None if fine else _invalid(array, op, name, rank, writable)
+
+
+def validate_out(array: Any, out: Any, label: str, like: str, rank: int) -> Optional[Exception]:
+    """Local checks of one rank's ``out=`` for the reduction of its valid ``array``: the error to raise, or ``None``.
+
+    ``label`` names the argument in messages (``"allreduce of 'x': out="``, ``"out[1]"``);
+    ``like`` names the array it receives the reduction of.
+    """
+    if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
+        got = f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}"
+        return ValueError(
+            on_rank(
+                rank, f"{label} must have the input's shape {tuple(array.shape)} and dtype {array.dtype}, got {got}"
+            )
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        return ValueError(on_rank(rank, f"{label} must be C-contiguous and writable"))
+    if out.__class__ is not array.__class__ and device_into_host(array, out):
+        return ValueError(
+            on_rank(
+                rank,
+                f"{label} must be a device array like {like}, "
+                f"got a {type(out).__module__}.{type(out).__name__} in host memory",
+            )
+        )
+    return None
 
 
 def _invalid(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable: bool) -> Exception:

@@ -28,9 +28,9 @@ from mpi4py import MPI
 
 from mpidist._comm import overflow
 from mpidist._comm.abort import install_exit_hook
-from mpidist._comm.agreement import Agreement, Call, Kind, validate
+from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
-from mpidist._comm.backend import Backend, array_module, device_into_host, is_device_array
+from mpidist._comm.backend import Backend, array_module, is_device_array
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.fusion import Fusion, UpdateFn
 from mpidist._comm.handle import Handle
@@ -389,7 +389,7 @@ class Communicator:
             error = (
                 ValueError(on_rank(self.rank, f"allreduce of {name!r}: pass either inplace=True or out=, not both"))
                 if inplace
-                else self._out_error(array, out, name)
+                else validate_out(array, out, f"allreduce of {name!r}: out=", "the input", self.rank)
             )
         if error is None:
             target = array if inplace else out if out is not None else array_module(array).empty_like(array)
@@ -506,7 +506,7 @@ class Communicator:
         """Local: whether MPI may reduce into ``target`` with one call, as it is: small, and on the host.
 
         Device arrays always go through :meth:`Backend.to_mpi`, which synchronises their stream
-        (a host ``target`` has a host input: :meth:`_out_error`).
+        (a host ``target`` has a host input: :func:`~mpidist._comm.agreement.validate_out`).
         """
         return target.nbytes <= self.options.piece_bytes and not is_device_array(target)
 
@@ -673,28 +673,6 @@ class Communicator:
                     "that does not fit the result; nothing was gathered",
                 )
             )
-
-    def _out_error(self, array: Array, out: Any, name: str) -> Optional[Exception]:
-        if getattr(out, "shape", None) != array.shape or getattr(out, "dtype", None) != array.dtype:
-            got = f"{getattr(out, 'shape', '?')} {getattr(out, 'dtype', type(out).__name__)}"
-            return ValueError(
-                on_rank(
-                    self.rank,
-                    f"allreduce of {name!r}: out= must have the input's shape "
-                    f"{tuple(array.shape)} and dtype {array.dtype}, got {got}",
-                )
-            )
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            return ValueError(on_rank(self.rank, f"allreduce of {name!r}: out= must be C-contiguous and writable"))
-        if out.__class__ is not array.__class__ and device_into_host(array, out):
-            return ValueError(
-                on_rank(
-                    self.rank,
-                    f"allreduce of {name!r}: out= must be a device array like the input, "
-                    f"got a {type(out).__module__}.{type(out).__name__} in host memory",
-                )
-            )
-        return None
 
 
 def _layout(array: Any, error: Optional[Exception]) -> tuple[str, tuple]:

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from mpidist._comm import overflow
-from mpidist._comm.agreement import Agreement, Call, Kind, validate
+from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
-from mpidist._comm.backend import Backend, array_module, data_pointer, device_into_host, is_device_array
+from mpidist._comm.backend import Backend, array_module, data_pointer, is_device_array
 from mpidist._comm.flat_store import joinable, span
 from mpidist._comm.handle import Handle
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
@@ -482,25 +482,7 @@ def _out_error(arrays: Sequence[Array], out: Sequence[Any], rank: int) -> Option
     if len(out) != len(arrays):
         return ValueError(on_rank(rank, f"out= holds {len(out)} arrays for {len(arrays)} values"))
     for i, (a, o) in enumerate(zip(arrays, out)):
-        if (
-            getattr(o, "shape", None) != a.shape
-            or getattr(o, "dtype", None) != a.dtype
-            or not (o.flags.c_contiguous and o.flags.writeable)
-        ):
-            return ValueError(
-                on_rank(
-                    rank,
-                    f"out[{i}] must be a writable contiguous array of shape "
-                    f"{tuple(a.shape)} and dtype {a.dtype}, got "
-                    f"{getattr(o, 'shape', type(o).__name__)} {getattr(o, 'dtype', '')}",
-                )
-            )
-        if o.__class__ is not a.__class__ and device_into_host(a, o):
-            return ValueError(
-                on_rank(
-                    rank,
-                    f"out[{i}] must be a device array like the value it receives, "
-                    f"got a {type(o).__module__}.{type(o).__name__} in host memory",
-                )
-            )
+        error = validate_out(a, o, f"out[{i}]", "the value it receives", rank)
+        if error is not None:
+            return error
     return None
