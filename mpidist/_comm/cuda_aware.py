@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -23,7 +22,7 @@ from typing import Optional
 from mpi4py import MPI
 
 from mpidist._comm.backend import Backend
-from mpidist._comm.library import libmpi_paths
+from mpidist._comm.library import libmpi
 from mpidist._errors import on_rank
 
 __all__ = ["CudaAwareness", "decide_cuda_aware", "library_cuda_support", "resolve_cuda_aware"]
@@ -33,15 +32,12 @@ logger = logging.getLogger("mpidist.comm")
 
 def library_cuda_support() -> Optional[bool]:
     """What the loaded MPI library says of CUDA support (``None``: it has no query)."""
-    for path in libmpi_paths():
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
-            query = lib.MPIX_Query_cuda_support
-        except (OSError, AttributeError):
-            continue
-        query.restype = ctypes.c_int
-        return bool(query())
-    return None
+    try:
+        query = libmpi().MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return None
+    query.restype = ctypes.c_int
+    return bool(query())
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from mpi4py import MPI
 
-__all__ = ["libmpi_paths", "library_version", "read_control_variable", "write_control_variable"]
+__all__ = ["libmpi", "libmpi_paths", "library_version", "read_control_variable", "write_control_variable"]
 
 
 def library_version() -> str:
@@ -61,8 +61,11 @@ def write_control_variable(name: str, value: int) -> None:
 
 
 @functools.cache
-def _libmpi() -> ctypes.CDLL:
-    """The ``libmpi`` this process has loaded, never a second copy (a new ``dlopen`` would be one)."""
+def libmpi() -> ctypes.CDLL:
+    """Local: the ``libmpi`` this process has loaded, never a second copy (a new ``dlopen`` would be one).
+
+    Raises :class:`OSError` when no ``libmpi.so`` is mapped into this process.
+    """
     for path in libmpi_paths():
         if os.path.basename(path).startswith("libmpi.so"):
             return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
@@ -77,7 +80,7 @@ def _check(code: int, call: str) -> None:
 @contextmanager
 def _control_variable(name: str) -> Iterator[tuple[ctypes.CDLL, ctypes.c_void_p]]:
     """An MPI_T session with a handle on the single-``int`` control variable ``name``, all freed after."""
-    lib = _libmpi()
+    lib = libmpi()
     if not hasattr(lib, "MPI_T_cvar_get_index"):  # MPI_T came with MPI 3.0, the lookup by name with 3.1
         raise OSError("the MPI library has no MPI_T_cvar_get_index (MPI 3.1's tool interface)")
     provided = ctypes.c_int()
