@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from paths import REPO as ROOT
+
 COMM = ROOT / "mpidist" / "_comm"
 
 
