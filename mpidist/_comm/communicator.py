@@ -46,7 +46,7 @@ from mpidist._options import Options
 if TYPE_CHECKING:
     from mpidist._typing import Array
 
-__all__ = ["Communicator", "Failures", "Handle", "describe_failures", "duplicate_world"]
+__all__ = ["Communicator", "Handle", "describe_failures", "duplicate_world"]
 
 
 def duplicate_world() -> MPI.Intracomm:

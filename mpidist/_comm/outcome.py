@@ -21,7 +21,7 @@ from typing import Union
 from mpidist._comm.transport import Transport
 from mpidist._errors import format_ranks
 
-__all__ = ["Failures", "describe_failures", "failure_text", "gather_failures", "gather_texts", "group_ranks"]
+__all__ = ["Failures", "describe_failures", "gather_failures", "gather_texts", "group_ranks"]
 
 Failures = dict[int, Union[BaseException, str]]
 
