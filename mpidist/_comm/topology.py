@@ -4,9 +4,10 @@ The one place that splits a communicator by node. The
 :class:`~mpidist.Communicator` takes its node-local rank (and so its GPU) from
 :class:`Topology`, and the two-level reduction
 (:mod:`~mpidist._comm.algorithms.hierarchical`) its node groups.
-``options.node_size`` replaces the shared-memory nodes by groups of that many
-consecutive ranks (:func:`group_split`), so that node-aware code can be tried
-on one machine.
+:class:`Topology` always splits by shared memory; ``options.node_size`` (groups
+of that many consecutive ranks, so that node-aware code can be tried on one
+machine) is applied by its users with :func:`group_split`: the two-level
+reduction and :meth:`~mpidist.Communicator.node`.
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ class Algorithms:
     def choose(self, nbytes: int) -> Reduction:
         """Local: the algorithm that reduces ``nbytes`` bytes, which every rank agreed on.
 
-        The one rule, a function of the topology, that size and the options,
-        so every rank picks the same algorithm: two-level with
-        ``options.hierarchical``, flat otherwise.
+        The one rule, so every rank picks the same algorithm: today it depends on the
+        options only (two-level with ``options.hierarchical``, flat otherwise). The
+        size, and the topology this object was built with, are its inputs so that a
+        later rule can use them, alike on every rank.
         """
         hierarchical = self.hierarchical
         return self.flat if hierarchical is None else hierarchical
