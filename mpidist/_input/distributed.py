@@ -6,11 +6,12 @@ backend, communicator: what :class:`~mpidist.MPIStrategy` provides). Its
 :class:`DistributedIterator` reads the source in chunks of
 ``steps_per_transfer`` steps through a :class:`~mpidist._input.prefetch.Prefetcher`.
 When a rank cannot know the number of steps alone, the ranks agree on each
-chunk: did every rank's input succeed (``Communicator.outcome``: else the
-failed ranks raise their errors and the others a ``RuntimeError`` naming
-them), and how many steps they all take (one small allreduce). They ask the
-same question once when an epoch's sources open, and, for sources that
-count the elements they drop, once when they have counted them. The
+chunk, in one small allreduce, how many steps they all take and whether
+every rank's input succeeded; only when some rank's failed does
+``Communicator.outcome`` gather what failed (the failed ranks raise their
+errors and the others a ``RuntimeError`` naming them). They ask whether every
+rank succeeded (``outcome``) once when an epoch's sources open, and, for
+sources that count the elements they drop, once when they have counted them. The
 iterator's position (``get_state()``) keeps the format ``"mpidist.data/1"``.
 This module never calls MPI itself.
 """
@@ -153,8 +154,8 @@ class DistributedIterator:
     """Iterator over a :class:`DistributedDataset`: each ``next()`` is one step.
 
     ``next()`` returns this rank's element as a nest of ``PerReplica``. It is
-    collective (a check that every rank's input succeeded and one allreduce,
-    per chunk of ``steps_per_transfer`` steps) when the number of steps is
+    collective (one allreduce per chunk of ``steps_per_transfer`` steps, which
+    also says whether every rank's input succeeded) when the number of steps is
     not known in advance; for a ``dataset_fn``-built dataset the first
     ``next()`` agrees on the length (one allreduce); in both cases the first
     ``next()`` also checks that every rank opened its source (one more).
@@ -257,38 +258,40 @@ class DistributedIterator:
         if prefetcher is None or converter is None:
             prefetcher, converter = self._start()
         if not self._final:
-            chunk = self._next_chunk(prefetcher)
-            steps = [] if chunk is None else _finish(converter, chunk).steps()
-            count = len(steps)
             if self._length is None:
-                count = self._agree_steps(count)
-                if count > len(steps):
-                    steps += self._fill(converter, count - len(steps))
-                self._final = count < self._dataset.steps_per_transfer
-                self._dropped += len(steps) - count
-            elif chunk is None:
-                self._final = True
-            self._ready.extend(steps[:count])
+                self._ready.extend(self._agreed_steps(prefetcher, converter))
+            else:
+                chunk = prefetcher.get()
+                self._final = chunk is None
+                self._ready.extend([] if chunk is None else _finish(converter, chunk).steps())
         if not self._ready:
             self._end_epoch()
             raise StopIteration
 
-    def _next_chunk(self, prefetcher: Prefetcher) -> Optional[Chunk]:
-        """The next chunk from ``prefetcher`` (``None`` at the end of the epoch).
+    def _agreed_steps(self, prefetcher: Prefetcher, converter: Converter) -> list[tuple[Any, int]]:
+        """Collective: the next chunk's steps, as many as the ranks agree on (:meth:`_agree_steps`).
 
-        Collective when the ranks agree on the steps (the length is not
-        known): whether every rank's input succeeded (:meth:`_check_input`).
+        Everything that can fail on one rank only (reading the chunk, moving
+        it to the device, building the steps without records that an exact
+        source may need if other ranks have more) happens before the
+        agreement, whose allreduce says whether it failed anywhere.
         """
+        steps: list[tuple[Any, int]] = []
+        padding: list[tuple[Any, int]] = []
+        error: Optional[Exception] = None
         try:
             chunk = prefetcher.get()
-            error: Optional[Exception] = None
+            if chunk is not None:
+                steps = _finish(converter, chunk).steps()
+            short = self._dataset.steps_per_transfer - len(steps)
+            if short and self._source.exact and self._source.has_template:
+                padding = self._fill(converter, short)
         except Exception as caught:
-            if self._length is not None:
-                raise
-            chunk, error = None, caught
-        if self._length is None:
-            self._check_input(error, "input ready", "reading")
-        return chunk
+            error = caught
+        count = self._agree_steps(len(steps), error)
+        self._final = count < self._dataset.steps_per_transfer
+        self._dropped += max(len(steps) - count, 0)
+        return (steps + padding)[:count]
 
     def _check_input(self, error: Optional[Exception], what: str, doing: str) -> None:
         """Collective: did every rank's input succeed (``Communicator.outcome``)?
@@ -377,27 +380,35 @@ class DistributedIterator:
         return prefetcher, converter
 
     def _fill(self, converter: Converter, count: int) -> list[tuple[Any, int]]:
-        """``count`` steps without records, for an exact source whose records on this rank ran out. Local."""
+        """``count`` steps without records, for an exact source whose records on this rank may run out
+        before the others'. Local."""
         filler = self._source.filler(count)
         if converter.staging:
             filler = filler.map_leaves(converter.prepare)
         return _finish(converter, filler).steps()
 
-    def _agree_steps(self, count: int) -> int:
+    def _agree_steps(self, count: int, error: Optional[Exception]) -> int:
         """Collective: the number of steps every rank takes next, this rank having ``count`` ready.
 
         The minimum over ranks for sources that drop, the maximum for exact
-        ones. One allreduce (MIN) of three int64: ``count``, ``-count`` and
-        this rank if it cannot build empty batches (an exact source that has
-        read no record), else N. ``RuntimeError`` on every rank when an exact
-        source needs empty batches from a rank that has read no record (it
-        does not know their shapes); the lowest such rank is named.
+        ones. One allreduce (MIN) of four int64: ``count``, ``-count``, this
+        rank if it cannot build empty batches (an exact source that has read
+        no record), else N, and ``-1`` if this rank's input failed
+        (``error``), else 0. If some rank's failed, every rank raises through
+        :meth:`_check_input` (only then a second collective, to say what
+        failed). ``RuntimeError`` on every rank when an exact source needs
+        empty batches from a rank that has read no record (it does not know
+        their shapes); the lowest such rank is named.
         """
         size = self._host.num_replicas_in_sync
         blind = self._rank if self._source.exact and not self._source.has_template else size
         mins = self._host.communicator.allreduce(
-            np.array([count, -count, blind], dtype=np.int64), ReduceOp.MIN, name="data: steps ready"
+            np.array([count, -count, blind, 0 if error is None else -1], dtype=np.int64),
+            ReduceOp.MIN,
+            name="data: steps ready",
         )
+        if mins[3] < 0:
+            self._check_input(error, "input ready", "reading")
         low, high, first_blind = int(mins[0]), -int(mins[1]), int(mins[2])
         if not self._source.exact:
             return low

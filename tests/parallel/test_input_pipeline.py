@@ -28,6 +28,7 @@ from mpidist._comm.communicator import Communicator
 from mpidist._distribute.metrics import Accuracy, Mean, Sum
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._errors import CollectiveTimeoutError
+from mpidist._input import distributed
 from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
 from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
 from mpidist._input.multistep import MultiStepContext
@@ -695,6 +696,57 @@ def test_a_source_failing_on_the_last_rank_stops_every_rank_at_once(short_strate
         assert f"rank {n - 1}: {error.__name__}: " in message and text in message, message
     assert time.monotonic() - start < 10  # the deadline is 20 s
     assert short_strategy.reduce("sum", np.ones(1), axis=None).tolist() == [n]
+
+
+def test_a_chunk_failing_to_reach_the_device_on_the_last_rank_stops_every_rank(short_strategy, monkeypatch):
+    """The conversion of a chunk (its copy to the device) fails on the last rank only, after the chunk was
+    read: it is reported through the steps' agreement like a failed read, so no rank waits."""
+    r, n = world()
+    calls = []
+
+    def finish(converter, chunk):
+        calls.append(chunk)
+        if r == n - 1 and len(calls) == 2:
+            raise MemoryError("out of device memory")
+        return chunk
+
+    monkeypatch.setattr(distributed, "_finish", finish)
+    it = iter(distribute_dataset(short_strategy, NoLen(4 * n), prefetch=0))
+    assert values([next(it)]) == [r]
+    start = time.monotonic()
+    if r == n - 1:
+        with pytest.raises(MemoryError, match="out of device memory"):
+            next(it)
+    else:
+        expected = f"(offset {n}, reading): rank {n - 1}: MemoryError: out of device memory. Each of those ranks"
+        with pytest.raises(RuntimeError, match=re.escape(expected)):
+            next(it)
+    assert time.monotonic() - start < 10  # the deadline is 20 s
+    assert short_strategy.reduce("sum", np.ones(1), axis=None).tolist() == [n]
+
+
+@pytest.mark.parametrize("steps_per_transfer", [1, 2])
+def test_a_chunk_of_unknown_length_costs_one_allreduce(strategy, monkeypatch, steps_per_transfer):
+    """Batched files (exact: every rank runs the most steps): one allreduce per chunk agrees on the steps and
+    on whether every rank's input succeeded, plus the check that every rank opened its source (none at 1 rank)."""
+    _, n = world()
+    contents, names = _ten_files_of_four()
+    files = FileDataset(names, contents.__getitem__, global_batch_size=n, remainder="partial")
+    dist = distribute_dataset(strategy, files, prefetch=0, steps_per_transfer=steps_per_transfer)
+    communicator = strategy.communicator
+    names_seen = []
+    allreduce = communicator.allreduce
+
+    def counting(*args, **kwargs):
+        names_seen.append(kwargs.get("name"))
+        return allreduce(*args, **kwargs)
+
+    monkeypatch.setattr(communicator, "allreduce", counting)
+    steps = len(list(dist))
+    monkeypatch.undo()
+    chunks = steps // steps_per_transfer + 1  # the last one is short (possibly empty): the end
+    assert steps == max(4 * len(range(rank, 10, n)) for rank in range(n))
+    assert names_seen == ["data: source opened (outcome)"] * (n > 1) + ["data: steps ready"] * chunks
 
 
 def test_the_input_layer_needs_only_an_input_host():
