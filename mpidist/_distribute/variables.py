@@ -166,7 +166,8 @@ class OnWritePolicy(Policy):
         return var.component
 
     def save_value(self, var: DistributedVariable, first_replica: bool) -> Array:
-        """Collective: the component; with ``first_replica`` rank 0's, broadcast (the variable is not changed)."""
+        """Local: the component. Collective with ``first_replica``: rank 0's component, broadcast to every rank
+        (the variable is not changed)."""
         if not first_replica:
             return var.component
         strategy = var.strategy
@@ -213,7 +214,7 @@ class OnReadPolicy(Policy):
 
     def save_value(self, var: DistributedVariable, first_replica: bool) -> Array:
         """Collective: the components reduced by the aggregation (``NONE``: summed, with a warning)."""
-        cast("SyncOnReadVariable", var).warn_if_not_restorable()  # this policy's variables are sync-on-read
+        cast("SyncOnReadVariable", var).warn_if_not_restorable()  # the policy of SyncOnReadVariable only
         return self._aggregate(var)
 
     def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
@@ -236,21 +237,16 @@ class OnReadPolicy(Policy):
         return var.strategy.extended.aggregate(var.aggregation, var.component, name=var.name)
 
 
-_POLICIES = {
-    VariableSynchronization.ON_WRITE: OnWritePolicy(),
-    VariableSynchronization.ON_READ: OnReadPolicy(),
-}
-
-
 class DistributedVariable(DistributedValues):
     """A variable with one component per replica; this rank holds ``{rank: component}``.
 
     Not created directly: use :func:`Variable` inside ``strategy.scope()``.
     """
 
-    def __init__(
-        self, strategy: MPIStrategy, component: Array, name: str, aggregation: VariableAggregation, policy: Policy
-    ) -> None:
+    # What updates, reads, saves and restores do (for the strategy and checkpoints): one per subclass.
+    policy: Policy
+
+    def __init__(self, strategy: MPIStrategy, component: Array, name: str, aggregation: VariableAggregation) -> None:
         super().__init__({strategy.rank: component})
         # This rank's component, updated in place. A plain attribute, not a property: every
         # update reads it (see the module docstring for the surface other modules use).
@@ -258,9 +254,7 @@ class DistributedVariable(DistributedValues):
         self._strategy = strategy
         self._name = name
         self._aggregation = aggregation
-        self._policy = policy
         self._updates = 0
-        self._warned_not_restorable = False
         register_component(self, strategy.rank, component)
 
     # -- properties (local) -----------------------------------------------------------
@@ -287,20 +281,12 @@ class DistributedVariable(DistributedValues):
     @property
     def synchronization(self) -> VariableSynchronization:
         """``ON_WRITE`` for a mirrored variable, ``ON_READ`` for a sync-on-read one."""
-        return self._policy.synchronization
+        return self.policy.synchronization
 
     @property
     def strategy(self) -> MPIStrategy:
         """The strategy whose scope created the variable."""
         return self._strategy
-
-    @property
-    def policy(self) -> Policy:
-        """What updates, reads, saves and restores do (for the strategy and checkpoints).
-
-        :meta private:
-        """
-        return self._policy
 
     def __repr__(self) -> str:
         return (
@@ -313,7 +299,7 @@ class DistributedVariable(DistributedValues):
     # -- reads and updates -------------------------------------------------------------
     def read_value(self) -> Any:
         """The variable's value: see the class docstring for which contexts are collective."""
-        return self._policy.read(self)
+        return self.policy.read(self)
 
     def numpy(self) -> np.ndarray:
         """A host NumPy copy of :meth:`read_value` (collective where ``read_value`` is)."""
@@ -321,15 +307,15 @@ class DistributedVariable(DistributedValues):
 
     def assign(self, value: ArrayLike) -> DistributedVariable:
         """Set the value (collective for a mirrored variable in replica context)."""
-        return self._policy.update(self, "assign", value)
+        return self.policy.update(self, "assign", value)
 
     def assign_add(self, value: ArrayLike) -> DistributedVariable:
         """Add to the value (collective for a mirrored variable in replica context)."""
-        return self._policy.update(self, "assign_add", value)
+        return self.policy.update(self, "assign_add", value)
 
     def assign_sub(self, value: ArrayLike) -> DistributedVariable:
         """Subtract from the value (collective for a mirrored variable in replica context)."""
-        return self._policy.update(self, "assign_sub", value)
+        return self.policy.update(self, "assign_sub", value)
 
     def coerce(self, value: Any) -> Array:
         """Local: ``value`` as an array of the component's module, dtype and shape (broadcast), checked.
@@ -405,6 +391,8 @@ class MirroredVariable(DistributedVariable, Mirrored):
     every replica computes alike.
     """
 
+    policy = OnWritePolicy()
+
 
 class SyncOnReadVariable(DistributedVariable, PerReplica):
     """A variable each replica updates on its own; reads in cross-replica context reduce.
@@ -424,6 +412,9 @@ class SyncOnReadVariable(DistributedVariable, PerReplica):
       ``TypeError`` (use ``read_value()`` or ``strategy.read_var(v)``, which
       are collective).
     """
+
+    policy = OnReadPolicy()
+    _warned_not_restorable = False  # set on the variable by the first warning
 
     def _convertible(self) -> Any:
         if in_cross_replica_context():
@@ -501,6 +492,6 @@ def Variable(
         )
     strategy.extended.broadcast_from_first(component, name=name)
     if synchronization is VariableSynchronization.ON_READ:
-        return SyncOnReadVariable(strategy, component, name, aggregation, _POLICIES[synchronization])
+        return SyncOnReadVariable(strategy, component, name, aggregation)
     component = strategy.extended.place(component)
-    return MirroredVariable(strategy, component, name, aggregation, _POLICIES[VariableSynchronization.ON_WRITE])
+    return MirroredVariable(strategy, component, name, aggregation)
