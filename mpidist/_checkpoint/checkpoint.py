@@ -60,11 +60,12 @@ import numpy as np
 
 from mpidist._checkpoint import format as fmt, validate
 from mpidist._checkpoint.reader import Save, read_checkpoint
+from mpidist._comm.backend import host_bytes
 from mpidist._comm.communicator import Communicator, describe_failures
 from mpidist._distribute.context import get_replica_context, get_strategy
-from mpidist._distribute.mirrors import diverged, host_bytes
+from mpidist._distribute.mirrors import describe, diverged
 from mpidist._distribute.variables import DistributedVariable, VariableSynchronization
-from mpidist._errors import CheckpointError, ChecksumError, MirrorDivergenceError, format_ranks, on_rank
+from mpidist._errors import CheckpointError, ChecksumError, MirrorDivergenceError, on_rank
 
 if TYPE_CHECKING:
     from mpidist._distribute.strategy import MPIStrategy
@@ -305,7 +306,7 @@ class Checkpoint:
         replies = run.gather({"items": descriptions, "args": args, "states": states, "mirrors": mirrors}, failure)
         run.same([r["items"] for r in replies], "the checkpoint's items")
         run.same([r["args"] for r in replies], "the arguments of save (path, keep, fsync, block_bytes, check_mirrors)")
-        _check_mirrors(run.what, [r["mirrors"] for r in replies])
+        _check_mirrors(run.rank, run.what, [r["mirrors"] for r in replies])
         return self._entries(descriptions, [r["states"] for r in replies])
 
     @staticmethod
@@ -684,7 +685,7 @@ def _direct_target(obj: Any) -> Optional[np.ndarray]:
     return array.reshape(-1).view(np.uint8)
 
 
-def _check_mirrors(what: str, fingerprints: list[dict[str, int]]) -> None:
+def _check_mirrors(rank: int, what: str, fingerprints: list[dict[str, int]]) -> None:
     """Raise ``MirrorDivergenceError`` if a mirrored variable's fingerprint differs from rank 0's.
 
     Local, but every rank passes the same (gathered) list, so all raise together.
@@ -692,13 +693,12 @@ def _check_mirrors(what: str, fingerprints: list[dict[str, int]]) -> None:
     names = list(fingerprints[0])
     differ = diverged(names, [[mine[name] for name in names] for mine in fingerprints])
     if differ:
-        detail = "; ".join(
-            f"mirrored variable {name!r} differs from rank 0's on rank{'s' if len(r) > 1 else ''} {format_ranks(r)}"
-            for name, r in sorted(differ.items())
-        )
         raise MirrorDivergenceError(
-            f"{what}: {detail} (compared by CRC-32; nothing was written). Each rank must update a mirrored "
-            "variable only through collective assign/assign_add/assign_sub calls; to save rank 0's value anyway, "
-            "pass check_mirrors=False",
+            on_rank(
+                rank,
+                f"{what}: {describe(differ)} (compared by CRC-32; nothing was written). Each rank must update a "
+                "mirrored variable only through collective assign/assign_add/assign_sub calls; to save rank 0's "
+                "value anyway, pass check_mirrors=False",
+            ),
             differ,
         )

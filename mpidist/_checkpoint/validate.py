@@ -40,16 +40,7 @@ from mpidist._version import __version__
 if TYPE_CHECKING:  # typing.TypeGuard is Python 3.10
     from typing import TypeGuard
 
-__all__ = [
-    "MAX_DEPTH",
-    "MAX_DIMS",
-    "MAX_HEADER_BYTES",
-    "MAX_MANIFEST_BYTES",
-    "check_manifest",
-    "decode_manifest",
-    "json_depth",
-    "state_fits",
-]
+__all__ = ["MAX_DEPTH", "MAX_MANIFEST_BYTES", "decode_manifest", "state_fits"]
 
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_DEPTH = 64

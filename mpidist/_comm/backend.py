@@ -30,6 +30,7 @@ __all__ = [
     "cupy_version",
     "data_pointer",
     "device_into_host",
+    "host_bytes",
     "is_device_array",
     "nccl_status",
     "to_host",
@@ -96,6 +97,16 @@ def to_host(array: Any) -> np.ndarray:
     if is_device_array(array):
         return array.get()
     return np.asarray(array)
+
+
+def host_bytes(array: Any, lo: int, hi: int) -> np.ndarray:
+    """Local: bytes ``[lo, hi)`` of ``array`` (NumPy or a device array) as a host ``uint8`` array.
+
+    Only that range is copied from a device, so a large device array never needs a whole host copy.
+    """
+    itemsize = array.dtype.itemsize
+    part = to_host(array.reshape(-1)[lo // itemsize : hi // itemsize])
+    return np.ascontiguousarray(part).view(np.uint8)
 
 
 class Backend:

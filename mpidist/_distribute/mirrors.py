@@ -1,9 +1,9 @@
 """Mirror fingerprints: how ranks check that a mirrored variable's components are identical.
 
-A fingerprint is a CRC-32 of the CRC-32s of an array's bytes, taken in pieces
-of :data:`PIECE_BYTES` (a device array is copied to the host one piece at a
-time, so the check never needs a host copy of the whole array). Ranks compare
-their fingerprints with rank 0's: :meth:`MPIStrategy.check_mirrored
+A fingerprint is a CRC-32 of the CRC-32s of an array's bytes, taken in spans
+of 8 MiB (a device array is copied to the host one span at a time, so the
+check never needs a host copy of the whole array). Ranks compare their
+fingerprints with rank 0's: :meth:`MPIStrategy.check_mirrored
 <mpidist.MPIStrategy.check_mirrored>` and ``Checkpoint.save`` (with
 ``check_mirrors``) both use the functions here. Everything in this module is
 local.
@@ -12,40 +12,34 @@ local.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mpidist._comm.backend import to_host
+from mpidist._comm.backend import host_bytes
+from mpidist._errors import format_ranks
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
     from mpidist._typing import Array
 
-__all__ = ["PIECE_BYTES", "diverged", "fingerprint", "host_bytes"]
+__all__ = ["describe", "diverged", "fingerprint"]
 
-# Unit of the checksums (and of the device-to-host copies) of a fingerprint.
-PIECE_BYTES = 8 << 20
-
-
-def host_bytes(value: Array, lo: int, hi: int) -> np.ndarray:
-    """Local: bytes ``[lo, hi)`` of array ``value`` (NumPy or a device array) as a host ``uint8`` array."""
-    itemsize = value.dtype.itemsize
-    part = to_host(value.reshape(-1)[lo // itemsize : hi // itemsize])
-    return np.ascontiguousarray(part).view(np.uint8)
+# Bytes of each checksum of a fingerprint, and of each device-to-host copy it makes.
+_CRC_SPAN_BYTES = 8 << 20
 
 
 def fingerprint(value: Array, threads: int = 1) -> int:
-    """Local: the CRC-32 of the CRC-32s of every piece of array ``value``'s bytes (pieces on ``threads`` threads)."""
+    """Local: the CRC-32 of the CRC-32s of every span of array ``value``'s bytes (spans on ``threads`` threads)."""
     nbytes = int(value.nbytes)
 
     def crc(lo: int) -> int:
-        return zlib.crc32(host_bytes(value, lo, min(lo + PIECE_BYTES, nbytes)).data)
+        return zlib.crc32(host_bytes(value, lo, min(lo + _CRC_SPAN_BYTES, nbytes)).data)
 
-    starts = range(0, nbytes, PIECE_BYTES)
+    starts = range(0, nbytes, _CRC_SPAN_BYTES)
     if threads <= 1 or len(starts) <= 1:
         crcs = [crc(lo) for lo in starts]
     else:  # zlib releases the GIL
@@ -65,3 +59,14 @@ def diverged(names: Sequence[str], table: ArrayLike) -> dict[str, tuple[int, ...
     return {
         name: tuple(int(r) for r in np.nonzero(differ[:, i])[0]) for i, name in enumerate(names) if differ[:, i].any()
     }
+
+
+def describe(differ: Mapping[str, Sequence[int]]) -> str:
+    """Local: what :func:`diverged` found, in words (the one wording of the mirror checks' errors).
+
+    ``{"w": (1, 2, 3)}`` -> ``"mirrored variable 'w' differs from rank 0's on ranks 1-3"``; entries joined by ``"; "``.
+    """
+    return "; ".join(
+        f"mirrored variable {name!r} differs from rank 0's on rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
+        for name, ranks in differ.items()
+    )

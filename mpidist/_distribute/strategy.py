@@ -20,10 +20,10 @@ from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
 from mpidist._distribute.context import enter_context, get_replica_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
-from mpidist._distribute.mirrors import diverged, fingerprint
+from mpidist._distribute.mirrors import describe, diverged, fingerprint
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, require_aggregation
-from mpidist._errors import MirrorDivergenceError, format_ranks, on_rank
+from mpidist._errors import MirrorDivergenceError, on_rank
 from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
 from mpidist._input.multistep import run_steps_on_dataset
 from mpidist._options import Options
@@ -386,14 +386,12 @@ class MPIStrategy:
         differ = diverged([v.name for v in flat], self._communicator.allgather(sums, name="mirror checksums"))
         if not differ:
             return {}
-        report = "; ".join(
-            f"{name!r} differs on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}" for name, rs in differ.items()
-        )
+        report = describe(differ)
         if not repair:
             raise MirrorDivergenceError(
                 on_rank(
                     self.rank,
-                    f"mirrored variables diverged from rank 0: {report}. Replicas must apply "
+                    f"{report}. Replicas must apply "
                     "the same updates (update mirrored variables only through assign*/strategy.update with the "
                     "same values on every rank); check_mirrored(..., repair=True) re-broadcasts rank 0's values.",
                 ),
@@ -403,7 +401,5 @@ class MPIStrategy:
             if v.name in differ:
                 self._extended.broadcast_from_first(v.component, name=v.name)
         if self.rank == 0:
-            warnings.warn(
-                on_rank(None, f"repaired mirrored variables from rank 0: {report}"), RuntimeWarning, stacklevel=2
-            )
+            warnings.warn(on_rank(None, f"repaired from rank 0's values: {report}"), RuntimeWarning, stacklevel=2)
         return differ

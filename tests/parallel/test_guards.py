@@ -47,7 +47,7 @@ def test_check_mirrored_names_the_diverged_variable_and_ranks(strategy):
         with pytest.raises(MirrorDivergenceError) as info:
             strategy.check_mirrored([ok, bad])
         assert info.value.diverged == {"bad": (n - 1,)}
-        assert f"'bad' differs on rank {n - 1}" in str(info.value) and "'ok'" not in str(info.value)
+        assert f"'bad' differs from rank 0's on rank {n - 1}" in str(info.value) and "'ok'" not in str(info.value)
 
 
 def test_check_mirrored_repair_rebroadcasts_rank_zero(strategy):
@@ -80,7 +80,7 @@ def test_periodic_mirror_check_catches_divergence_at_the_kth_update():
         if n == 1:
             s.run(lambda: v.assign_add(np.ones(2)))
         else:
-            with pytest.raises(MirrorDivergenceError, match="'periodic' differs on rank"):
+            with pytest.raises(MirrorDivergenceError, match="'periodic' differs from rank 0's on rank"):
                 s.run(lambda: v.assign_add(np.ones(2)))  # update 2: checked
     s.free()
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpidist._comm.backend import host_bytes
 from mpidist._distribute import mirrors
-from mpidist._distribute.mirrors import diverged, fingerprint, host_bytes
+from mpidist._distribute.mirrors import describe, diverged, fingerprint
 
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    monkeypatch.setattr(mirrors, "PIECE_BYTES", 64)  # many pieces from small arrays
+    monkeypatch.setattr(mirrors, "_CRC_SPAN_BYTES", 64)  # many spans from small arrays
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -46,3 +47,10 @@ def test_diverged_names_the_ranks_that_differ_from_rank_0():
     assert diverged(names, table) == {"b": (1, 2), "c": (2,)}
     assert diverged(names, [[1, 2, 3]]) == {}
     assert diverged([], [[], []]) == {}
+
+
+def test_describe_names_each_variable_and_its_ranks():
+    assert describe({"b": (1, 2), "c": (2,)}) == (
+        "mirrored variable 'b' differs from rank 0's on ranks 1-2; "
+        "mirrored variable 'c' differs from rank 0's on rank 2"
+    )
