@@ -241,12 +241,9 @@ class Checkpoint:
             CheckpointError: writing failed on some rank (all ranks raise it).
         """
         strategy = self._strategy_for("save")
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"Checkpoint.save: keep must be a positive int (how many saves to keep), got {keep!r}")
-        block_bytes = _block_size(block_bytes, chunk_bytes)
         run = _Protocol(strategy, f"Checkpoint.save to {os.fspath(path)} failed, the saves already there are intact")
         check = bool(check_mirrors) and run.size > 1  # one replica has no other components to compare
-        entries = self._agree_on_entries(run, [os.fspath(path), keep, fsync, block_bytes, check], check)
+        entries, block_bytes = self._agree_on_entries(run, path, keep, fsync, block_bytes, chunk_bytes, check)
         values = self._values(first_replica=not check)
         arrays = [e for e in entries if e["kind"] in fmt.ARRAY_KINDS]
         tmp, number = self._prepare(run, path, arrays)
@@ -282,14 +279,31 @@ class Checkpoint:
             )
         return reply["path"]
 
-    def _agree_on_entries(self, run: _Protocol, args: list, check_mirrors: bool) -> list[dict]:
-        """Collective: check that all ranks save the same items with the same arguments (and, with
-        ``check_mirrors``, the same mirrored values); the manifest entries."""
+    def _agree_on_entries(
+        self,
+        run: _Protocol,
+        path: fmt.PathLike,
+        keep: Any,
+        fsync: bool,
+        block_bytes: Any,
+        chunk_bytes: Any,
+        check_mirrors: bool,
+    ) -> tuple[list[dict], int]:
+        """Collective: check save's arguments, and that all ranks save the same items with the same arguments
+        (and, with ``check_mirrors``, the same mirrored values); the manifest entries and the block size.
+
+        An invalid argument on some ranks only makes every rank raise: the checks run inside this step.
+        """
         failure: Optional[BaseException] = None
+        args: list = []
         descriptions: list[dict] = []
         states: dict[str, Any] = {}
         mirrors: dict[str, int] = {}
         try:
+            if not isinstance(keep, int) or keep < 1:
+                raise ValueError(f"Checkpoint.save: keep must be a positive int (how many saves to keep), got {keep!r}")
+            block_bytes = _block_size(block_bytes, chunk_bytes)
+            args = [os.fspath(path), keep, fsync, block_bytes, check_mirrors]
             descriptions = self._describe()
             states = {
                 name: self._get_state(name, obj) for name, (kind, obj) in self._items.items() if kind == fmt.STATE
@@ -307,7 +321,7 @@ class Checkpoint:
         run.same([r["items"] for r in replies], "the checkpoint's items")
         run.same([r["args"] for r in replies], "the arguments of save (path, keep, fsync, block_bytes, check_mirrors)")
         _check_mirrors(run.rank, run.what, [r["mirrors"] for r in replies])
-        return self._entries(descriptions, [r["states"] for r in replies])
+        return self._entries(descriptions, [r["states"] for r in replies]), block_bytes
 
     @staticmethod
     def _prepare(run: _Protocol, path: fmt.PathLike, arrays: list[dict]) -> tuple[Path, int]:

@@ -237,6 +237,22 @@ def test_ranks_that_disagree_raise_on_every_rank_and_write_nothing(strategy, sha
     assert not shared_dir.exists() or not fmt.list_versions(shared_dir)
 
 
+@pytest.mark.parametrize("bad", [{"keep": 0}, {"block_bytes": 48}], ids=["keep", "block_bytes"])
+def test_an_invalid_argument_on_one_rank_raises_on_every_rank_and_writes_nothing(shared_dir, bad):
+    strategy = mpidist.MPIStrategy(device="cpu", timeout=10)  # the others must not wait out a deadline
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    if n == 1:
+        strategy.free()
+        pytest.skip("needs two ranks to disagree")
+    (name,) = bad
+    with strategy.scope(), pytest.raises(ValueError) as info:
+        Checkpoint(table=np.zeros(2)).save(shared_dir, **(bad if r == n - 1 else {}))
+    message = str(info.value)
+    assert message.startswith(f"rank {r}: ") and f"rank {n - 1}: ValueError: Checkpoint.save: {name} must be" in message
+    assert not shared_dir.exists() or not fmt.list_versions(shared_dir)
+    strategy.free()
+
+
 def test_a_checksum_error_in_one_ranks_share_fails_every_rank(strategy, shared_dir):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     model = build(strategy, fill=True)
