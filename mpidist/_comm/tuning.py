@@ -96,8 +96,8 @@ def tune_at_run_time(transport: Transport) -> None:
     Acts at the first communicator over the whole MPI world (the setting is per process,
     so every rank that runs collectives with these ranks must share it); later calls,
     and communicators over part of the world, return at once without communicating.
-    Under Open MPI below 4 ranks it makes one small allreduce through ``transport``
-    (under its deadline), so that the ring is set on every rank or on none: where
+    Under Open MPI below 4 ranks it makes one small allgather through ``transport``
+    (under its deadline; fewer than 4 ranks, once per process), so that the ring is set on every rank or on none: where
     another rank kept the user's choice or could not set it, the ranks that have the
     ring put the default back. A failure is logged at debug level and leaves Open
     MPI's choice; should putting the default back fail, the ranks disagree on the
