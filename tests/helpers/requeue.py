@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar, Union
 
 import numpy as np
 import pytest
@@ -71,15 +71,19 @@ def output(workdir: Path, name: str) -> str:
     return files[0].read_text(errors="replace") if files else ""
 
 
-def until(what: str, check: Callable[[], T], timeout: float = WAIT) -> T:
-    """Poll ``check()`` every 0.2 s until it returns something true; fail after ``timeout`` seconds."""
+def until(what: Union[str, Callable[[], str]], check: Callable[[], T], timeout: float = WAIT) -> T:
+    """Poll ``check()`` every 0.2 s until it returns something true; fail after ``timeout`` seconds.
+
+    ``what`` names what was awaited; a callable is asked at the timeout, so the failure shows the
+    state of things then (the job's output and fields), not when the wait began.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = check()
         if found:
             return found
         time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+    pytest.fail(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
 
 
 def final(env: Mapping[str, str], job_id: str, workdir: Path, name: str) -> dict[str, str]:
@@ -91,7 +95,10 @@ def final(env: Mapping[str, str], job_id: str, workdir: Path, name: str) -> dict
             return {"JobState": "VANISHED"}
         return fields if fields.get("JobState") in FINAL_STATES else None
 
-    return until(f"job {job_id} to end\n{output(workdir, name)}", ended)
+    def state() -> str:
+        return f"job {job_id} to end; its fields: {scontrol_jobs(env).get(job_id)}\n{output(workdir, name)}"
+
+    return until(state, ended)
 
 
 def training_started(workdir: Path, name: str, epochs: int, failed: Optional[re.Pattern] = None) -> str:
