@@ -67,6 +67,18 @@ slurm_launch() {
       if [ "$flavour" = mpich ] && [ "${SLURM_JOB_NUM_NODES:-1}" = 1 ] && [ -z "${UCX_TLS:-}" ]; then
         export UCX_TLS=self,sm
       fi
+      # Across nodes, an MPICH with its own PMI client speaks PMI-1 to srun --mpi=pmi2, whose server
+      # reads each request in one read of at most 1024 bytes; UCX's address exchange sends lines of
+      # up to about 1080 bytes (hex segments of 511 bytes, shorter only when they compress), and a
+      # cut line fails the job at start ("mpi/pmi2: invalid client request", "UCX ERROR failed to
+      # unpack address") or corrupts an address. OFI's addresses fit in one short line: use OFI when
+      # the library has it, uses no site PMI, and the site did not choose a netmod.
+      if [ "$flavour" = mpich ] && [ "${SLURM_JOB_NUM_NODES:-1}" != 1 ] && [ -z "${MPIR_CVAR_CH4_NETMOD:-}" ]; then
+        case "$("${mpiexec[0]}" --version 2>&1)" in
+          *--with-pmi* | *--with-slurm*) ;;
+          *"--with-device=ch4:"*ofi*) export MPIR_CVAR_CH4_NETMOD=ofi ;;
+        esac
+      fi
       launch=(srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}" --kill-on-bad-exit=1) ;;
     mpiexec)
       load_mpi_env "$flavour"
