@@ -5,9 +5,12 @@ fixed-size ``float64`` record, through a persistent request created with the
 communicator. Each rank fills the record with
 
 - a hash of the call it is about to make (kind, reduce op, dtype, shape,
-  root, extra arguments such as ``reduce_scatter`` counts, and the *name* of
-  the value or variable), split into ``K`` integers ``h_k`` of ``b`` bits, each
-  sent together with its square;
+  root, extra arguments such as ``reduce_scatter`` counts or the update a
+  fused reduction applies, and the *name* of the value or variable, which
+  carries the path of a leaf in a nest and the ``axis`` of a reduction),
+  split into ``K`` integers ``h_k`` of ``b`` bits, each sent together with its
+  square; dtype aliases (``'l'`` and ``'q'`` for int64) are one dtype, and the
+  output form (a new array, ``out=``, in place) is not part of the call;
 - the collective's sequence number ``s`` (modulo ``2**b``) and its square;
 - counters: 1 if this rank's own arguments are invalid, 1 if its data holds
   NaN or Inf (with ``check_finite``), 1 if it is leaving the job, 1 if it
@@ -90,8 +93,13 @@ class Kind(enum.IntEnum):
     REDUCE_SCATTER = 4
     BARRIER = 5
     FUSED = 6
+    CREATE = 7  # a communicator's creation: the options every rank must share
 
     __hash__ = int.__hash__  # as its int value, at C speed (kinds key caches)
+
+
+# One char per dtype: aliases of the same dtype ('l' and 'q' are both int64 on Linux) are one dtype.
+_CANONICAL = {c: next(d for d in DTYPES if np.dtype(d) == np.dtype(c)) for c in DTYPES}
 
 
 class Call:
@@ -99,7 +107,9 @@ class Call:
 
     ``shape`` is compared whole except for ``ALLGATHER``, whose first
     dimension may differ. ``extra`` holds further arguments every rank must
-    pass alike (``reduce_scatter`` counts, a fused layout).
+    pass alike (``reduce_scatter`` counts, a fused layout, the update a fused
+    reduction applies, a creation's options). ``dtype`` is compared as a dtype,
+    not as the char that spells it.
     """
 
     __slots__ = ("kind", "op", "dtype", "shape", "name", "root", "extra", "key")
@@ -114,15 +124,17 @@ class Call:
         root: int = 0,
         extra: Optional[tuple] = None,
     ) -> None:
-        self.kind, self.op, self.dtype, self.shape = kind, op, dtype, shape
+        self.kind, self.op, self.dtype, self.shape = kind, op, _CANONICAL.get(dtype, dtype), shape
         self.name, self.root, self.extra = name, root, extra
         compared = shape[1:] if kind == Kind.ALLGATHER else shape
-        self.key = (kind, op, dtype, compared, len(shape), name, root, extra)
+        self.key = (kind, op, self.dtype, compared, len(shape), name, root, extra)
 
     def describe(self) -> str:
         """E.g. ``allreduce(sum) of 'w' float32[3, 4]``."""
+        if self.kind == Kind.CREATE:
+            return f"creation of {self.name}"
         if self.kind == Kind.FUSED:
-            return f"fused reduction of {self.name}"
+            return f"fused reduction of {self.name}" + _update_words(self.extra[2] if self.extra else None)
         text = self.kind.name.lower()
         if self.op is not None:
             text += f"({self.op.value})"
@@ -134,20 +146,44 @@ class Call:
             text += f" {np.dtype(self.dtype).name if self.dtype else '?'}{dims}"
         if self.kind == Kind.REDUCE_SCATTER and self.extra is not None:
             text += f" counts {list(self.extra)}"
+        elif self.extra is not None and self.kind in (Kind.ALLREDUCE, Kind.BROADCAST):
+            text += _update_words(self.extra[0])
         return text
 
     def __str__(self) -> str:
         return self.describe()
 
     def layout(self) -> list[str]:
-        """One line per array of a fused reduction (empty for other calls)."""
+        """One line per array of a fused reduction, or per option of a creation (empty for other calls)."""
+        if self.kind == Kind.CREATE:
+            return list(self.extra or ())
         if self.kind != Kind.FUSED or not self.extra:
             return []
-        specs, names = self.extra
+        specs, names, _ = self.extra
         return [
             f"{name!r} {op or 'rank 0s value'} {np.dtype(dtype).name}{list(shape)}"
             for (op, dtype, shape), name in zip(specs, names)
         ]
+
+
+def update_identity(fn: Any) -> Optional[str]:
+    """Local: what identifies the update ``fn`` a reduction applies, for the ranks to compare (``None``: no update).
+
+    Its qualified name and where it was defined (``file:line``); the values it
+    captures are not compared. Functions without code of their own (builtins,
+    ``functools.partial``) are identified by their type's name.
+    """
+    if fn is None:
+        return None
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return type(fn).__qualname__
+    return f"{getattr(fn, '__qualname__', code.co_name)} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def _update_words(update: Optional[str]) -> str:
+    """`` then <update>`` for a description (nothing when the call applies no update)."""
+    return "" if update is None else f" then {update}"
 
 
 def validate(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable: bool = False) -> Optional[Exception]:
@@ -355,17 +391,27 @@ class Agreement:
         return self._verify(call, error, carry, expected)
 
     def agree_array(
-        self, kind: Kind, name: str, op: Optional[ReduceOp], array: Array, check_finite: bool = False
+        self,
+        kind: Kind,
+        name: str,
+        op: Optional[ReduceOp],
+        array: Array,
+        check_finite: bool = False,
+        update: Any = None,
     ) -> Optional[np.ndarray]:
         """Collective: :meth:`agree` on a call of one valid array (the per-collective path, kept short).
 
-        Returns the carried sums shaped like ``array`` (a view of the record:
-        copy them out before the next collective), or ``None``.
+        ``update`` is the function the caller applies to the reduced values
+        (part of the call: :func:`update_identity`), or ``None``. Returns the
+        carried sums shaped like ``array`` (a view of the record: copy them
+        out before the next collective), or ``None``.
         """
-        key = (kind, name, op, array.dtype.char, array.shape, array.__class__)
+        code = update if update is None else getattr(update, "__code__", update.__class__)
+        key = (kind, name, op, array.dtype.char, array.shape, array.__class__, code)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(key, Call(kind, name, op, array.dtype.char, tuple(array.shape)), array)
+            extra = None if update is None else (update_identity(update),)
+            plan = self._plan(key, Call(kind, name, op, array.dtype.char, tuple(array.shape), extra=extra), array)
         if self._pending is not None or check_finite or self.stop_requested or self._flags is not _CLEAR:
             carried = self.agree(plan[0], None, array, check_finite)
             return None if carried is None else carried.reshape(array.shape)
@@ -546,22 +592,33 @@ class Agreement:
     def _mismatch(self, call: Call, error: Optional[Exception]) -> None:
         t = self.transport
         if error is not None:
-            mine = f"could not take part: {error}"
+            mine = f"could not take part: {type(error).__name__}: {error}"
         else:
             mine = "\n".join([call.describe(), *call.layout()])
         texts = gather_texts(t, "agreement details", f"#{t.seq} {mine}")
         heads = {r: text.split("\n", 1)[0] for r, text in enumerate(texts)}
         lines = group_ranks(heads, things="calls")
-        if not any(text.split(" ", 1)[1].startswith("could not take part") for text in heads.values()):
-            lines += _first_difference([text.split("\n")[1:] for text in texts])
+        layouts = [text.split("\n")[1:] for text in texts]
         if error is not None:
             raise error
+        if call.kind == Kind.CREATE and not any("could not take part" in text for text in heads.values()):
+            raise CollectiveMismatchError(
+                on_rank(
+                    t.rank,
+                    f"ranks disagree on the options of {call.name}: {_option_differences(layouts)}. These "
+                    "options shape the collectives and must be the same on every rank (set them alike, or "
+                    "leave the MPIDIST_* variables alike on every node); see docs/collective-safety.md.",
+                ),
+                heads,
+            )
+        if not any(text.split(" ", 1)[1].startswith("could not take part") for text in heads.values()):
+            lines += _first_difference(layouts)
         raise CollectiveMismatchError(
             on_rank(
                 t.rank,
                 f"ranks disagree on collective #{t.seq} ({call.describe()}): {lines}. Every rank "
                 "must call the same collectives in the same order, with arrays of the same dtype and shape and "
-                "the same names; no array was modified.",
+                "the same names, nests of the same structure and the same updates; no array was modified.",
             ),
             heads,
         )
@@ -598,6 +655,18 @@ def _first_difference(layouts: list[list[str]]) -> str:
         if len(set(column.values())) > 1:
             return f"; first difference at array #{i}: {group_ranks(column, things='calls')}"
     return ""
+
+
+def _option_differences(layouts: list[list[str]]) -> str:
+    """For a creation: each option whose ``name=value`` line differs between ranks, with each rank's value."""
+    differences = []
+    for i in range(max(len(rows) for rows in layouts)):
+        column = {r: rows[i] if i < len(rows) else "?" for r, rows in enumerate(layouts)}
+        if len(set(column.values())) > 1:
+            option = next(iter(column.values())).split("=", 1)[0]
+            values = {r: line.split("=", 1)[-1] for r, line in column.items()}
+            differences.append(f"{option} ({group_ranks(values, things='values').replace('; ', ', ')})")
+    return "; ".join(differences)
 
 
 def _left_ranks(count: int, s1: float, s2: float) -> tuple[int, ...]:

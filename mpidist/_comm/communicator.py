@@ -19,8 +19,9 @@ rank succeeded (:mod:`~mpidist._comm.outcome`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
 import numpy as np
@@ -38,7 +39,7 @@ from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.topology import Topology, group_split
-from mpidist._comm.transport import Transport
+from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
 from mpidist._errors import CollectiveMismatchError, CommError, format_ranks, on_rank
 from mpidist._options import Options
@@ -72,7 +73,12 @@ class Communicator:
     """
 
     def __init__(
-        self, comm: Optional[MPI.Comm] = None, options: Optional[Options] = None, backend: Optional[Backend] = None
+        self,
+        comm: Optional[MPI.Comm] = None,
+        options: Optional[Options] = None,
+        backend: Optional[Backend] = None,
+        *,
+        overrides: Optional[Mapping[str, Any]] = None,
     ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
@@ -81,26 +87,46 @@ class Communicator:
                     None, f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(base).__name__}"
                 )
             )
-        self.options = options if options is not None else Options.resolve()
+        # What fails on this rank while it is being created is raised on every rank, in the creation's agreement.
+        error: Optional[Exception] = None
+        if options is None:
+            try:
+                options = Options.resolve(**(overrides or {}))
+            except Exception as exc:  # a bad option or environment variable on one rank
+                error, options = exc, Options()
+        self.options = options
+        self._comm = duplicate(base, options.timeout)
         try:
-            self._comm = base.Dup()
             self._transport = Transport(self._comm, self.options)
             tune_at_run_time(self._transport)
             self._topology = Topology(self._comm)
-            self._algorithms = Algorithms(self._transport, self._topology)
         except MPI.Exception as exc:
             raise CommError(
                 on_rank(base.rank, f"could not set up mpidist's communicator: {exc.Get_error_string()}")
             ) from exc
         self._agreement = Agreement(self._transport)
+        self.local_rank: int = self._topology.node.rank
+        if error is None and backend is None:
+            try:
+                backend = Backend.select(self.options.device, self.local_rank)
+            except Exception as exc:  # e.g. no GPU on this rank's node
+                error = exc
+        try:
+            self._agreement.agree(Call(Kind.CREATE, "mpidist's communicator", extra=_shared_options(options)), error)
+        except BaseException:
+            self._agreement.free()
+            self._topology.free()
+            self._transport.free()
+            raise
+        assert backend is not None  # else error was set, and the agreement raised it
+        self.backend = backend
+        self._algorithms = Algorithms(self._transport, self._topology)
         install_exit_hook()
         self.rank: int = self._comm.rank
         self.size: int = self._comm.size
-        self.local_rank: int = self._topology.node.rank
         self.local_size: int = self._topology.node.size
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._transport.yield_while_waiting = self.local_size > cores and "mpich" in library_version().lower()
-        self.backend = backend if backend is not None else Backend.select(self.options.device, self.local_rank)
         self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self.cuda_aware = self.cuda_awareness.enabled
         self._fusion = Fusion(self._transport, self._agreement, self._algorithms, self.backend, self.cuda_aware)
@@ -542,22 +568,25 @@ class Communicator:
 
     def _allgather(self, array: Array, name: str, blocking: bool, out: Optional[Array] = None) -> Any:
         error = validate(array, None, name, self.rank)
+        if error is None and out is not None:
+            error = _gather_out_error(array, out, name, self.rank)
         call = Call(Kind.ALLGATHER, name, None, *_layout(array, error))
         what = f"allgather of {name!r}"
 
         def then(_: Optional[np.ndarray]) -> Any:
             shape = tuple(array.shape) if array.ndim else (1,)
-            lengths = np.empty(self.size, dtype=np.int64)
-            self._transport.run(f"{what} (lengths)", "Allgather", np.array([shape[0]], dtype=np.int64), lengths)
+            # each rank's length, and the length of its out= (-1: none): out= given on some ranks
+            # only changes no MPI call, and one that does not fit is known to every rank at once
+            mine = np.array([shape[0], -1 if out is None else out.shape[0]], dtype=np.int64)
+            rows = np.empty((self.size, 2), dtype=np.int64)
+            self._transport.run(f"{what} (lengths)", "Allgather", mine, rows)
+            lengths, total = rows[:, 0], int(rows[:, 0].sum())
+            wrong = [r for r, given in enumerate(rows[:, 1].tolist()) if given not in (-1, total)]
+            if wrong:
+                self._refuse_gather_out(wrong, (total,) + shape[1:], out, name)
             counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
             displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            if out is not None:
-                self._check_gather_out(out, (int(lengths.sum()),) + shape[1:], array.dtype, name)
-            result = (
-                out
-                if out is not None
-                else array_module(array).empty((int(lengths.sum()),) + shape[1:], dtype=array.dtype)
-            )
+            result = out if out is not None else array_module(array).empty((total,) + shape[1:], dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
 
@@ -572,7 +601,7 @@ class Communicator:
             self._transport.run(what, "Allgatherv", *args)
             return finish()
 
-        return self._agreed(call, error, then, blocking, keep=(array,))
+        return self._agreed(call, error, then, blocking, keep=(array, out))
 
     def _reduce_scatter(
         self, array: Array, requested: Union[ReduceOp, str], counts: Optional[Sequence[int]], name: str
@@ -646,33 +675,55 @@ class Communicator:
             return ticket.wait()
         return Handle(self._transport, ticket, keep=keep)
 
-    def _check_gather_out(self, out: Any, shape: tuple, dtype: np.dtype[Any], name: str) -> None:
-        """Collective: every rank's ``out=`` of an allgather fits the result, or every rank raises."""
-        fits = (
-            getattr(out, "shape", None) == shape
-            and getattr(out, "dtype", None) == dtype
-            and out.flags.c_contiguous
-            and out.flags.writeable
-        )
-        bad = np.array([0 if fits else self.rank + 1], dtype=np.int64)
-        self._transport.run(f"allgather of {name!r} (out=)", "Allreduce", MPI.IN_PLACE, bad, MPI.MAX)
-        if not fits:
-            got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
+    def _refuse_gather_out(self, wrong: list[int], shape: tuple, out: Any, name: str) -> NoReturn:
+        """Local, on every rank alike: the error for ``out=`` arrays of ranks ``wrong`` that do not fit ``shape``."""
+        if self.rank in wrong:
             raise ValueError(
                 on_rank(
                     self.rank,
-                    f"allgather of {name!r}: out= must be a writable contiguous array "
-                    f"of shape {shape} and dtype {dtype}, got {got}",
+                    f"allgather of {name!r}: out= must have the result's shape {shape}, got {tuple(out.shape)}",
                 )
             )
-        if bad[0]:
-            raise CollectiveMismatchError(
-                on_rank(
-                    self.rank,
-                    f"allgather of {name!r}: rank {format_ranks([int(bad[0]) - 1])} (at least) passed an out= "
-                    "that does not fit the result; nothing was gathered",
-                )
+        raise CollectiveMismatchError(
+            on_rank(
+                self.rank,
+                f"allgather of {name!r}: rank{'s' if len(wrong) > 1 else ''} {format_ranks(wrong)} passed an out= "
+                f"that does not fit the result {shape}; nothing was gathered",
             )
+        )
+
+
+def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Exception]:
+    """Local: why ``out`` cannot receive an allgather of ``array`` whatever the other ranks' lengths, or ``None``."""
+    shape = tuple(array.shape) if array.ndim else (1,)
+    fits = (
+        getattr(out, "dtype", None) == array.dtype
+        and len(getattr(out, "shape", ())) == len(shape)
+        and tuple(out.shape[1:]) == shape[1:]
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    )
+    if fits:
+        return None
+    got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
+    return ValueError(
+        on_rank(
+            rank,
+            f"allgather of {name!r}: out= must be a writable contiguous {array.dtype} array of shape "
+            f"(total length,) + {shape[1:]}, got {got}",
+        )
+    )
+
+
+# Options that may differ between ranks: where this rank's arrays live, and what it does on an error.
+_LOCAL_OPTIONS = frozenset({"device", "cuda_aware", "abort_on_error"})
+
+
+def _shared_options(options: Options) -> tuple[str, ...]:
+    """``name=value`` of every option that shapes the collectives, which every rank must share."""
+    return tuple(
+        f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options) if f.name not in _LOCAL_OPTIONS
+    )
 
 
 def _layout(array: Any, error: Optional[Exception]) -> tuple[str, tuple]:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from mpidist._comm import overflow
-from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
+from mpidist._comm.agreement import Agreement, Call, Kind, update_identity, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import Backend, array_module, data_pointer, is_device_array
 from mpidist._comm.flat_store import joinable, span
@@ -99,6 +99,7 @@ class Fusion:
                 sends,
                 ops,
                 names,
+                fn,
                 error,
                 lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried),
             )
@@ -113,6 +114,7 @@ class Fusion:
                         op,
                         send,
                         self._options.check_finite and op is not None,
+                        None if fn in _OUTPUTS else fn,
                     )
                 else:  # every check off: straight to the data
                     self._transport.begin()
@@ -138,7 +140,7 @@ class Fusion:
             else:
                 self._reduce_apply(what, sends, targets, ops, fn, in_place)
 
-        self._agree(sends, ops, names, error, then)
+        self._agree(sends, ops, names, fn, error, then)
 
     def _reduce_apply(
         self,
@@ -328,7 +330,7 @@ class Fusion:
             return Handle(t, None, start(None), keep=tuple(copies))
         ops = [op] * len(arrays)
         ticket = self._agreement.start(
-            self._call(arrays, ops, names),
+            self._call(arrays, ops, names, None),
             self._error(arrays, ops, names),
             list(arrays),
             self._options.check_finite,
@@ -346,20 +348,29 @@ class Fusion:
         return None
 
     @staticmethod
-    def _call(arrays: Sequence[Array], ops: Sequence[Op], names: Sequence[str]) -> Call:
-        """What the ranks agree on: one array's own call, or the whole list's layout and names."""
+    def _call(arrays: Sequence[Array], ops: Sequence[Op], names: Sequence[str], fn: Optional[UpdateFn]) -> Call:
+        """What the ranks agree on: one array's own call, or the whole list's layout and names; and the update.
+
+        The output form (new arrays, ``out=``: :data:`_OUTPUTS`) is not part of it.
+        """
+        update = None if fn in _OUTPUTS else update_identity(fn)
         if len(arrays) == 1:
             a = arrays[0]
             kind = Kind.BROADCAST if ops[0] is None else Kind.ALLREDUCE
-            return Call(kind, names[0], ops[0], a.dtype.char, tuple(a.shape))
+            return Call(
+                kind, names[0], ops[0], a.dtype.char, tuple(a.shape), extra=None if update is None else (update,)
+            )
         specs = tuple((None if op is None else op.value, a.dtype.str, tuple(a.shape)) for a, op in zip(arrays, ops))
-        return Call(Kind.FUSED, _what(arrays, ops, names)[len("fused reduction of ") :], extra=(specs, tuple(names)))
+        return Call(
+            Kind.FUSED, _what(arrays, ops, names)[len("fused reduction of ") :], extra=(specs, tuple(names), update)
+        )
 
     def _agree(
         self,
         arrays: Sequence[Array],
         ops: Sequence[Op],
         names: Sequence[str],
+        fn: Optional[UpdateFn],
         error: Optional[Exception],
         then: Callable[[Optional[np.ndarray]], None],
     ) -> None:
@@ -371,7 +382,7 @@ class Fusion:
                 raise error
             then(None)
             return
-        call = self._call(arrays, ops, names) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
+        call = self._call(arrays, ops, names, fn) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
         data = arrays[0] if len(arrays) == 1 else [a for a, op in zip(arrays, ops) if op is not None]
         self._agreement.start(
             call, error, data, self._options.check_finite and any(op is not None for op in ops), then
@@ -446,6 +457,10 @@ def _into(target: Array, reduced: Array) -> None:
     from the bucket.
     """
     target[...] = reduced
+
+
+# The updates that only store the reduced values (new arrays, out=): output forms, not part of a call.
+_OUTPUTS = (_assign, _into)
 
 
 def _spans(sends: Sequence[Array], targets: Sequence[Array]) -> list[tuple[Array, Array]]:

@@ -12,6 +12,7 @@ algorithm reduces them is the business of the layers above
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -19,13 +20,13 @@ from mpi4py import MPI
 
 from mpidist._comm.deadline import Deadline
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._errors import CommError, on_rank
+from mpidist._errors import CollectiveTimeoutError, CommError, on_rank
 from mpidist._options import Options
 
 if TYPE_CHECKING:
     from mpidist._typing import Array
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "duplicate"]
 
 _MPI_OPS = {
     ReduceOp.SUM: MPI.SUM,
@@ -135,3 +136,31 @@ class Transport(Deadline):
         self.run(what, "Allgatherv", local, [joined, (lengths.tolist(), displs.tolist()), MPI.BYTE])
         blob = joined.tobytes()
         return [blob[lo : lo + n] for lo, n in zip(displs.tolist(), lengths.tolist())]
+
+
+def duplicate(base: MPI.Intracomm, timeout: Optional[float]) -> MPI.Intracomm:
+    """Collective over ``base``: a duplicate of it (the caller frees it), waited for under ``timeout``.
+
+    ``MPI_Comm_idup``, tested in growing sleeps of up to a millisecond, so that
+    a rank that never arrives (it failed or left before creating its mpidist
+    communicator) costs the others a :class:`~mpidist.CollectiveTimeoutError`
+    at the deadline instead of a wait in ``MPI_Comm_dup`` forever.
+    """
+    try:
+        comm, request = base.Idup()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 1e-5
+        while not request.Test():
+            if deadline is not None and time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    on_rank(
+                        base.rank,
+                        f"creating mpidist's communicator over {base.size} ranks: not every rank arrived within "
+                        f"{timeout:g} s (a rank failed or exited before it created its strategy or communicator)",
+                    )
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+    except MPI.Exception as exc:
+        raise CommError(on_rank(base.rank, f"could not duplicate the communicator: {exc.Get_error_string()}")) from exc
+    return comm

@@ -24,7 +24,7 @@ from mpidist._distribute.context import ReplicaContext, enter_context
 from mpidist._distribute.variables import DistributedVariable, VariableAggregation
 from mpidist._errors import on_rank
 from mpidist._options import Options
-from mpidist._values.nest import flatten, map_structure, pack_sequence_as
+from mpidist._values.nest import flatten, leaf_paths, map_structure, pack_sequence_as
 from mpidist._values.values import DistributedValues, PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -123,49 +123,60 @@ class StrategyExtended:
         """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`.
 
         Every argument is checked before any collective; a problem on one rank
-        (an unknown op, an axis out of range, a nest of another structure) is
-        raised on that rank and reported to the others as a mismatch naming it.
+        (an unknown op, an axis out of range, a value that cannot be converted,
+        whatever the exception) is raised on that rank and reported to the
+        others as a mismatch naming it. Each leaf's name carries its path in
+        the nest and the axis, so ranks whose nests differ in structure or keys,
+        or whose axes differ, disagree instead of pairing off. ``out=`` changes
+        where the results go, never the call.
         """
+        rank = self._comm.rank
         try:
             op = self.reduce_op(reduce_op)
             if op is None and axis is not None:
                 raise ValueError(
                     on_rank(
-                        self._comm.rank,
+                        rank,
                         "ONLY_FIRST_REPLICA takes replica 0's value as it "
                         f"is; it has no axis to reduce along (got axis={axis})",
                     )
                 )
-            leaves = flatten(value)
+            leaves, paths = flatten(value), leaf_paths(value)
+            names = [f"reduce{path}" for path in paths]
+            outs = None if out is None else flatten(out)
+            if outs is not None and (op is None or axis is not None):
+                raise ValueError(on_rank(rank, "out= takes a SUM/MEAN/MIN/MAX/PROD reduction without axis"))
+            if outs is not None and len(outs) != len(leaves):
+                raise ValueError(on_rank(rank, f"out= holds {len(outs)} arrays for the {len(leaves)} values reduced"))
             if op is None:
                 xp = self._comm.backend.xp  # new arrays (also of NumPy scalars), which the broadcast overwrites
                 arrays = [xp.array(self.local(x)) for x in leaves]
             elif axis is None:
                 arrays = [self._prepared(op, x) for x in leaves]
             else:
-                arrays = [self._axis_sum(op, self.local(x), axis) for x in leaves]
-            if out is not None and (op is None or axis is not None):
-                raise ValueError(on_rank(self._comm.rank, "out= takes a SUM/MEAN/MIN/MAX/PROD reduction without axis"))
-        except (TypeError, ValueError) as exc:
+                sums = []
+                for i, x in enumerate(leaves):
+                    local = self.local(x)
+                    along = normalize_axis(axis, local.ndim, rank)
+                    sums.append(self._axis_sum(op, local, along))
+                    names[i] = f"reduce(axis={along}){paths[i]}"
+        except Exception as exc:  # any failure of this rank's arguments is raised on every rank
             self._comm.fail(exc, "reduce")
-        if op is None:  # (never with out=: refused above)
-            return pack_sequence_as(value, [self._comm.broadcast(a, root=0, name="reduce") for a in arrays])
-        if out is not None:  # into the caller's arrays: nothing allocated
+        if op is None:
             return pack_sequence_as(
-                value,
-                self._comm.allreduce_many(arrays, op, [f"reduce[{i}]" for i in range(len(arrays))], out=flatten(out)),
+                value, [self._comm.broadcast(a, root=0, name=name) for a, name in zip(arrays, names)]
             )
-        if axis is None and len(arrays) != 1:  # all leaves together: few MPI calls, one agreement record
+        if axis is None and len(arrays) == 1:  # the common case: one array, one agreement record
             return pack_sequence_as(
-                value, self._comm.allreduce_many(arrays, op, [f"reduce[{i}]" for i in range(len(arrays))])
+                value, [self._comm.allreduce(arrays[0], op, name=names[0], out=None if outs is None else outs[0])]
             )
-        if axis is None:
-            return pack_sequence_as(value, [self._comm.allreduce(arrays[0], op, name="reduce")])
+        if axis is None:  # all leaves together: few MPI calls, one agreement record
+            return pack_sequence_as(value, self._comm.allreduce_many(arrays, op, names, out=outs))
         results = []
-        for total, count in arrays:
-            total = self._comm.allreduce(total, ReduceOp.SUM, name="reduce")
+        for (total, count), name in zip(sums, names):
+            total = self._comm.allreduce(total, ReduceOp.SUM, name=name)
             if op is ReduceOp.MEAN:
-                total /= int(self._comm.allreduce(count, ReduceOp.SUM, name="count"))
+                total /= int(self._comm.allreduce(count, ReduceOp.SUM, name=f"{name} (count)"))
             results.append(total)
         return pack_sequence_as(value, results)
 
@@ -205,7 +216,7 @@ class StrategyExtended:
         """Collective: ``fn(component, value reduced by the variable's aggregation)`` for each, fused.
 
         Each value is first fitted to its variable's shape and dtype; a value
-        that does not fit raises its ``ValueError``/``TypeError`` on this rank
+        that does not fit (whatever the exception) raises it on this rank
         and a :class:`~mpidist.CollectiveMismatchError` naming this rank on the
         others, in the same agreement step. The variables' names are part of
         what the ranks agree on. Then, when due, the periodic
@@ -217,7 +228,7 @@ class StrategyExtended:
             component = v.component
             try:
                 value = v.coerce(values[0])
-            except (TypeError, ValueError) as exc:
+            except Exception as exc:  # whatever fails, every rank raises in the same call
                 error, value = exc, component  # not sent: the agreement fails first
             self._comm.reduce_apply(
                 (value,), (component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,), in_place, error
@@ -225,7 +236,7 @@ class StrategyExtended:
         else:
             try:
                 values = tuple(v.coerce(x) for v, x in zip(variables, values))
-            except (TypeError, ValueError) as exc:
+            except Exception as exc:  # whatever fails, every rank raises in the same call
                 error = exc
                 values = tuple(v.component for v in variables)
             self._comm.reduce_apply(
@@ -283,6 +294,16 @@ class StrategyExtended:
         if op is ReduceOp.MEAN and local.dtype.kind in "iub":
             local = local.astype(np.float64)
         return contiguous(local.sum(axis=axis)), np.array(local.shape[axis], dtype=np.int64)
+
+
+def normalize_axis(axis: Any, ndim: int, rank: int) -> int:
+    """Local: ``axis`` of an array of ``ndim`` dimensions as a number in ``[0, ndim)`` (``-1`` is the last).
+
+    Raises ``ValueError`` (naming this rank) for an axis that is not an integer or out of range.
+    """
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool) or not -ndim <= axis < ndim:
+        raise ValueError(on_rank(rank, f"axis {axis!r} is out of range for a {ndim}-dimensional value"))
+    return int(axis) % ndim
 
 
 def is_array(x: Any) -> bool:

@@ -19,14 +19,13 @@ from mpidist._comm.backend import Backend, array_module, contiguous
 from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
 from mpidist._distribute.context import enter_context, get_replica_context
-from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
+from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array, normalize_axis
 from mpidist._distribute.mirrors import describe, diverged, fingerprint
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, require_aggregation
 from mpidist._errors import MirrorDivergenceError, on_rank
 from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
 from mpidist._input.multistep import run_steps_on_dataset
-from mpidist._options import Options
 from mpidist._values.nest import flatten, is_number, map_structure
 from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
 
@@ -65,10 +64,12 @@ class MPIStrategy:
     """
 
     def __init__(self, comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
-        self.options = Options.resolve(**options)
+        # created first: an option or environment variable that fails on one rank raises on every rank,
+        # and a rank that never arrives costs the others a timeout, not a wait in MPI_Comm_dup forever
+        self._communicator = Communicator(comm, overrides=options)
+        self.options = self._communicator.options
         self._own_comm = comm is None
         self.comm = duplicate_world() if comm is None else comm
-        self._communicator = Communicator(self.comm, self.options)
         self._extended = StrategyExtended(self, self._communicator, self.options)
         self._stopper = Stopper(self._communicator)
         if self.options.abort_on_error:
@@ -178,12 +179,16 @@ class MPIStrategy:
         Components may differ in length along ``axis``; the other dimensions
         must agree. Every rank gets the whole result.
         """
-        local = self._extended.local(value)
-        xp = array_module(local)
-        if local.ndim == 0:
-            return self._communicator.allgather(local, name="gather")
-        moved = contiguous(xp.moveaxis(local, axis, 0))
-        return xp.moveaxis(self._communicator.allgather(moved, name="gather"), 0, axis)
+        try:
+            local = self._extended.local(value)
+            xp = array_module(local)
+            if local.ndim == 0:
+                return self._communicator.allgather(local, name="gather")
+            axis = normalize_axis(axis, local.ndim, self.rank)  # part of the call's name: every rank alike
+            moved = contiguous(xp.moveaxis(local, axis, 0))
+        except Exception as exc:  # any failure of this rank's argument is raised on every rank
+            self._communicator.fail(exc, "gather")
+        return xp.moveaxis(self._communicator.allgather(moved, name=f"gather(axis={axis})"), 0, axis)
 
     def broadcast(self, value: ArrayLike, root: int = 0) -> Any:
         """Collective: root's ``value`` (an array or number, the same shape on every rank) on every rank."""

@@ -26,6 +26,7 @@ __all__ = [
     "assert_same_structure",
     "flatten",
     "is_number",
+    "leaf_paths",
     "map_structure",
     "map_structure_with_path",
     "pack_sequence_as",
@@ -176,6 +177,28 @@ def _iter_leaves(nest: Any) -> Iterator[Any]:
 def flatten(nest: Any) -> list[Any]:
     """The leaves of ``nest`` in traversal order (a leaf gives ``[leaf]``). Local."""
     return list(_iter_leaves(nest))
+
+
+def leaf_paths(nest: Any) -> list[str]:
+    """The path of each leaf of ``nest``, in traversal order: ``["['acc']", "['loss']"]``; ``[""]`` for a leaf.
+
+    The paths name dict keys, namedtuple fields and list or tuple indices, so
+    two nests have the same paths exactly when they have the same keys in the
+    same places (a list and a tuple of the same length share theirs). Local.
+    """
+    if not _is_nest_node(nest):
+        return [""]
+    paths: list[str] = []
+    _collect_paths(nest, "", paths)
+    return paths
+
+
+def _collect_paths(node: Any, path: str, paths: list[str]) -> None:
+    for piece, child in _children(node):
+        if _is_nest_node(child):
+            _collect_paths(child, path + piece, paths)
+        else:
+            paths.append(path + piece)
 
 
 def pack_sequence_as(structure: Any, flat: Sequence[Any]) -> Any:
