@@ -90,7 +90,9 @@ class ArrayDataset:
             with the same length along axis 0.
         global_batch_size: samples per step, over all replicas.
         shuffle: visit the samples in :func:`epoch_order` ``(seed, epoch)``.
-        seed: non-negative int; every rank must pass the same.
+        seed: non-negative int; every rank must pass the same (a distributed
+            dataset checks it, with the length, batch size and epoch, when
+            each epoch starts).
         epoch: the epoch that the next ``iter()`` reads; see :meth:`set_epoch`.
         remainder: what to do with the last ``num_samples % global_batch_size``
             samples: ``"drop"`` them (training), read them as a ``"partial"``
@@ -310,7 +312,8 @@ class FileDataset:
             (``"mask"``), or ``"drop"`` them. With ``"partial"`` or
             ``"mask"`` every record is read exactly once per epoch.
         shuffle: visit the files in :func:`epoch_order` ``(seed, epoch)``.
-        seed: non-negative int, the same on every rank.
+        seed: non-negative int, the same on every rank (checked as an
+            :class:`ArrayDataset`'s is).
         epoch: the epoch the next ``iter()`` reads; see :meth:`set_epoch`.
     """
 

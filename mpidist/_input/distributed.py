@@ -9,9 +9,13 @@ When a rank cannot know the number of steps alone, the ranks agree on each
 chunk, in one small allreduce, how many steps they all take and whether
 every rank's input succeeded; only when some rank's failed does
 ``Communicator.outcome`` gather what failed (the failed ranks raise their
-errors and the others a ``RuntimeError`` naming them). They ask whether every
-rank succeeded (``outcome``) once when an epoch's sources open, and, for
-sources that count the elements they drop, once when they have counted them. The
+errors and the others a ``RuntimeError`` naming them). When an epoch's
+sources open, one small allreduce asks whether every rank opened its source
+and whether the ranks agree on what fixes the epoch's order (length, batch
+size, shuffle, seed, epoch, position: :mod:`mpidist._input.order`); for an
+``ArrayDataset``, whose steps every rank knows, it is the epoch's only
+collective. Sources that count the elements they drop ask once more whether
+every rank succeeded (``outcome``) when they have counted them. The
 iterator's position (``get_state()``) keeps the format ``"mpidist.data/1"``.
 This module never calls MPI itself.
 """
@@ -20,15 +24,23 @@ from __future__ import annotations
 
 import collections
 import warnings
-from typing import Any, Optional, Protocol
+from typing import Any, NoReturn, Optional, Protocol
 
 import numpy as np
 
 from mpidist._comm.backend import Backend
 from mpidist._comm.communicator import Communicator, describe_failures
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._errors import on_rank
+from mpidist._errors import CollectiveMismatchError, on_rank
 from mpidist._input.datasets import Chunk
+from mpidist._input.order import (
+    decode_fields,
+    describe_order,
+    encode_fields,
+    order_agreed,
+    order_differences,
+    order_record,
+)
 from mpidist._input.prefetch import Converter, Prefetcher, default_depth, wrap
 from mpidist._input.sharding import check_count
 
@@ -64,7 +76,8 @@ class DistributedDataset:
     :func:`~mpidist._input.factories.distribute_datasets_from_function`. Each
     ``iter()`` starts the current epoch over (:meth:`set_epoch`). Creating
     iterators is local; iterating is collective where the number of steps is
-    not known in advance (see :mod:`mpidist._input.distributed`).
+    not known in advance, and when an ``ArrayDataset``'s epoch starts (see
+    :mod:`mpidist._input.distributed`).
 
     Attributes:
         shard_policy: how the data is shared out: ``"batch"`` (array rows of
@@ -104,7 +117,8 @@ class DistributedDataset:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Read epoch ``epoch`` (its shuffle order) from the next ``iter()`` on. Local; call it on every rank."""
+        """Read epoch ``epoch`` (its shuffle order) from the next ``iter()`` on. Local; call it on every rank
+        (an ``ArrayDataset``'s or ``FileDataset``'s epoch is compared at its first ``next()``)."""
         self._epoch = check_count("epoch", epoch)
 
     def __iter__(self) -> DistributedIterator:
@@ -157,8 +171,10 @@ class DistributedIterator:
     collective (one allreduce per chunk of ``steps_per_transfer`` steps, which
     also says whether every rank's input succeeded) when the number of steps is
     not known in advance; for a ``dataset_fn``-built dataset the first
-    ``next()`` agrees on the length (one allreduce); in both cases the first
-    ``next()`` also checks that every rank opened its source (one more).
+    ``next()`` agrees on the length (one allreduce); in both cases, and for an
+    ``ArrayDataset``, the first ``next()`` (after ``iter()``, :meth:`close` or
+    :meth:`set_state`) also checks that every rank opened its source and that
+    the ranks agree on what fixes the order (one more, :meth:`_check_start`).
     Otherwise it is local. Every rank must call it the same number of times.
     """
 
@@ -345,20 +361,25 @@ class DistributedIterator:
 
         Collective when the ranks agree on this epoch's steps (a
         ``dataset_fn``'s data, whose lengths differ between ranks; a source
-        whose length is unknown, agreed on chunk by chunk): a ``dataset_fn``'s
-        length (one allreduce, MIN), then whether every rank opened its
-        source (:meth:`_check_input`). A ``dataset_fn``'s rank that could not
-        give its length joins the length agreement as "unknown" and raises
-        with the others at the check. Local otherwise.
+        whose length is unknown, agreed on chunk by chunk) or on its order
+        (an ``ArrayDataset``, unless ``check_collectives`` is off): a
+        ``dataset_fn``'s length (one allreduce, MIN), then whether every rank
+        opened its source and what fixes the order (:meth:`_check_start`, one
+        allreduce). A rank that could not give its length (a ``dataset_fn``'s,
+        or an ``ArrayDataset``'s) joins the length agreement as "unknown" and
+        raises with the others at the check. Local otherwise.
         """
         error: Optional[Exception] = None
+        source = self._source
+        options = self._host.communicator.options
+        checked = source.collective_length or (source.agrees_order and options.check_collectives)
         try:
-            length = self._source.length(self._epoch, self._offset)
+            length = source.length(self._epoch, self._offset)
         except Exception as caught:  # a dataset_fn's own failure too (see distribute_datasets_from_function)
-            if not self._source.collective_length:
+            if not checked:
                 raise
-            length, error = None, caught
-        if self._source.collective_length:
+            length, error = None, caught  # raised at the check, with the others
+        if source.collective_length:
             agreed = self._agree(-1 if length is None else length, "dataset length")
             self._dropped = 0 if agreed < 0 else length - agreed
             length = None if agreed < 0 else agreed
@@ -366,18 +387,79 @@ class DistributedIterator:
         converter = self._converter = Converter(self._host.backend)
         if error is None:
             try:
-                chunks = self._source.chunks(
-                    self._epoch, self._offset, self._dataset.steps_per_transfer, length, self._seed
-                )
+                chunks = source.chunks(self._epoch, self._offset, self._dataset.steps_per_transfer, length, self._seed)
             except Exception as caught:
                 error = caught
-        if self._source.collective_length or length is None:
-            self._check_input(error, "source opened", "opening its source")
-        if error is not None:  # not checked: every rank knows the length, none waits for this one
+        if checked or length is None:
+            self._check_start(error)
+        if error is not None:  # at one rank, or not checked: every rank knows the length, none waits for this one
             raise error
         prepare = converter.prepare if converter.staging else None
         prefetcher = self._prefetcher = Prefetcher(chunks, prepare, self._dataset.prefetch)
         return prefetcher, converter
+
+    def _check_start(self, error: Optional[Exception]) -> None:
+        """Collective (nothing at one rank): did every rank open its source, and do the ranks agree on what
+        fixes the epoch's order (:meth:`_order`)?
+
+        One allreduce (SUM) of this rank's record (:func:`order_record`):
+        whether it failed (``error``, its failure to open the source, or
+        ``None``), and hash words of its order (none with
+        ``check_collectives`` off). If some rank failed, every rank raises
+        through :meth:`_check_input`; if the orders differ,
+        :meth:`_disagree` raises on every rank. Only then a second exchange.
+        """
+        size = self._host.num_replicas_in_sync
+        if size == 1:
+            return
+        communicator = self._host.communicator
+        fields = self._order() if communicator.options.check_collectives else {}
+        record = order_record(fields, error is not None, size)
+        sums = communicator.allreduce(record, ReduceOp.SUM, name="data: epoch start")
+        if sums[0]:
+            self._check_input(error, "source opened", "opening its source")
+        if not order_agreed(sums, record, size):
+            self._disagree(fields)
+
+    def _order(self) -> dict[str, Any]:
+        """What fixes this epoch's order, as the ranks agree on it: the kind of source and its sharding,
+        the epoch, the source's state (an ``ArrayDataset``'s length, batch size, shuffle, remainder; a batched
+        ``FileDataset``'s batch size and remainder) and fields (the seed; a ``FileDataset``'s number of files
+        and shuffle), the position where it is global, and the steps per chunk where the ranks agree on
+        their steps chunk by chunk. Local."""
+        source = self._source
+        fields: dict[str, Any] = {
+            "dataset": source.kind,
+            "sharding": self._dataset.shard_policy,
+            "epoch": self._epoch,
+            **source.state(),
+            **source.order(self._seed),
+        }
+        if source.global_position:
+            fields["offset"] = int(self._offset)
+        if self._length is None:
+            fields["steps_per_transfer"] = self._dataset.steps_per_transfer
+        return fields
+
+    def _disagree(self, fields: dict[str, Any]) -> NoReturn:
+        """Collective, once the ranks know that their orders differ: every rank's ``fields``, then
+        :class:`~mpidist.CollectiveMismatchError` naming what differs, each rank's value and the ranks.
+
+        The iterator is closed at its position, which stays.
+        """
+        texts = self._host.communicator.allgather_bytes(encode_fields(fields), name="data: epoch start (order)")
+        per_rank = [decode_fields(text) for text in texts]
+        self.close()
+        raise CollectiveMismatchError(
+            on_rank(
+                self._rank,
+                f"the ranks would read this {self._source.kind!r} dataset in different orders: "
+                f"{order_differences(per_rank)}. Every rank must distribute the same dataset (the same length, "
+                "global batch size, shuffle and seed), read the same epoch (call set_epoch on every rank) and "
+                "start from the same position; no step was read, and the iterator stays at its position",
+            ),
+            {r: describe_order(f) for r, f in enumerate(per_rank)},
+        )
 
     def _fill(self, converter: Converter, count: int) -> list[tuple[Any, int]]:
         """``count`` steps without records, for an exact source whose records on this rank may run out

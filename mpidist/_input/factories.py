@@ -66,6 +66,8 @@ def distribute_dataset(
     - :class:`ArrayDataset`: each step's ``global_batch_size`` rows are
       split, ``global_batch_size / N`` per rank (``ValueError`` unless
       divisible); without ``auto_shard`` every rank reads the whole batch.
+      Iterating is local but for the first ``next()`` of each epoch, which
+      checks that the ranks agree on its order (one small allreduce).
     - :class:`FileDataset`: by file (rank ``r`` reads files ``r, r + N, ...``)
       when there are at least ``N`` files, else by record;
       ``shard_policy`` (``"auto"``, ``"file"``, ``"element"``) forces one.
@@ -101,9 +103,12 @@ def distribute_dataset(
             size choose with their own ``remainder`` (passing
             ``drop_remainder`` raises ``ValueError``).
 
-    Every rank must pass the same dataset. Each ``iter()`` of the result
-    starts over (a one-shot iterator, such as a generator, cannot: a second
-    ``iter()`` raises ``RuntimeError``).
+    Every rank must pass the same dataset: an ``ArrayDataset``'s or a
+    ``FileDataset``'s length, batch size, shuffle, seed and epoch are
+    compared when each epoch starts (``CollectiveMismatchError`` on every
+    rank when they differ); an arbitrary iterable's elements cannot be, only
+    its end. Each ``iter()`` of the result starts over (a one-shot iterator,
+    such as a generator, cannot: a second ``iter()`` raises ``RuntimeError``).
     """
     rank, size = host.rank, host.num_replicas_in_sync
     _check_drop_remainder(drop_remainder, dataset)

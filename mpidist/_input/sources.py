@@ -14,7 +14,12 @@ position (``offset``), ``steps`` at a time: each :meth:`chunks` item is a
 - ``global_position``: the position counts over all ranks, so that it
   restores at any number of ranks; else it only restores at the same one;
 - ``state()`` and ``check(state, num_replicas)``: what the iterator state
-  records of the source, and whether a state fits it.
+  records of the source, and whether a state fits it;
+- ``order(seed)``: besides ``state()``, the epoch and the position, what
+  fixes the order of the source's steps (:mod:`mpidist._input.order`), and
+  ``agrees_order``: the ranks agree on it at every epoch start even where
+  each knows the number of steps (an ``ArrayDataset``; the other sources
+  agree on it in the exchange that opens their epoch anyway).
 
 Three kinds: :class:`ArraySource` (rows of an
 :class:`~mpidist._input.datasets.ArrayDataset`), :class:`StreamSource`
@@ -25,6 +30,7 @@ Three kinds: :class:`ArraySource` (rows of an
 from __future__ import annotations
 
 import collections.abc
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Callable, Optional, cast
@@ -46,6 +52,7 @@ class ArraySource:
     collective_length = False
     exact = False  # every rank knows the number of steps
     warn_drops = False  # the remainder is the dataset's own, explicit choice
+    agrees_order = True  # iterating is local otherwise: without it ranks with other seeds read wrong data silently
     dropped = dropped_here = 0
 
     def __init__(self, dataset: ArrayDataset, rank: int, size: int, auto_shard: bool) -> None:
@@ -67,6 +74,9 @@ class ArraySource:
             "shuffle": int(d.shuffle),
             "remainder": d.remainder,
         }
+
+    def order(self, seed: int) -> dict[str, Any]:
+        return {"seed": seed}
 
     def check(self, state: dict[str, Any], num_replicas: int) -> None:
         n = self._dataset.num_samples
@@ -93,6 +103,7 @@ class StreamSource:
     seed = 0
     exact = False  # ranks that have more steps than others drop them
     warn_drops = True
+    agrees_order = False  # every rank knows the steps of a sequence; other streams agree on it while they open
 
     def __init__(
         self,
@@ -105,8 +116,9 @@ class StreamSource:
         *,
         global_position: bool = True,
         collective_length: bool = False,
+        fields: Callable[[], dict[str, Any]] = dict,
     ) -> None:
-        self.kind, self._stream, self._length = kind, stream, length
+        self.kind, self._stream, self._length, self._fields = kind, stream, length, fields
         self._group, self._pick, self._rank = group, pick, rank
         self.global_position, self.collective_length = global_position, collective_length
         self._opened: Any = None  # the last one-shot iterator read, which cannot start over
@@ -185,6 +197,10 @@ class StreamSource:
     def state(self) -> dict[str, Any]:
         return {}
 
+    def order(self, seed: int) -> dict[str, Any]:
+        """The dataset's own fields (a ``FileDataset``'s number of files, shuffle and seed); an iterable has none."""
+        return self._fields()
+
     def check(self, state: dict[str, Any], num_replicas: int) -> None:
         if not self.global_position and state.get("num_replicas") != num_replicas:
             raise ValueError(
@@ -218,8 +234,9 @@ class BatchSource(StreamSource):
         rank: int,
         *,
         global_position: bool,
+        fields: Callable[[], dict[str, Any]],
     ) -> None:
-        super().__init__(kind, stream, lambda: None, 1, 0, rank, global_position=global_position)
+        super().__init__(kind, stream, lambda: None, 1, 0, rank, global_position=global_position, fields=fields)
         self._batches, self._global_batch_size = batches, global_batch_size
         self.exact = batches.remainder != "drop"
 
@@ -250,14 +267,20 @@ def file_source(files: FileDataset, policy: str, rank: int, size: int) -> Stream
     whole of it without sharding).
     """
     stream = _file_shard_stream(files, rank, size) if policy == "file" else epoch_stream(files)
+    fields = functools.partial(_file_fields, files)
     batch, remainder = files.global_batch_size, files.remainder
     if batch is None or remainder is None:  # a FileDataset has both or neither
-        return StreamSource("files", stream, lambda: None, 1, 0, rank, global_position=False)
+        return StreamSource("files", stream, lambda: None, 1, 0, rank, global_position=False, fields=fields)
     per_rank = batch if policy == "off" else per_replica_batch_size(batch, size, rank)
     group, pick, parts = {"file": (per_rank, 0, 1), "element": (batch, rank, size), "off": (batch, 0, 1)}[policy]
     batches = RecordBatches(group, pick, parts, remainder, per_rank)
     kind = "file batches" if policy == "file" else "record batches"
-    return BatchSource(kind, stream, batches, batch, rank, global_position=policy != "file")
+    return BatchSource(kind, stream, batches, batch, rank, global_position=policy != "file", fields=fields)
+
+
+def _file_fields(files: FileDataset) -> dict[str, Any]:
+    """What fixes the order of a :class:`FileDataset`'s records besides the epoch: how many files, shuffle, seed."""
+    return {"files": len(files.files), "shuffle": int(files.shuffle), "seed": files.seed}
 
 
 def epoch_stream(data: Any) -> Callable[[int], Iterable[Any]]:

@@ -746,7 +746,7 @@ def test_a_chunk_of_unknown_length_costs_one_allreduce(strategy, monkeypatch, st
     monkeypatch.undo()
     chunks = steps // steps_per_transfer + 1  # the last one is short (possibly empty): the end
     assert steps == max(4 * len(range(rank, 10, n)) for rank in range(n))
-    assert names_seen == ["data: source opened (outcome)"] * (n > 1) + ["data: steps ready"] * chunks
+    assert names_seen == ["data: epoch start"] * (n > 1) + ["data: steps ready"] * chunks
 
 
 def test_the_input_layer_needs_only_an_input_host():
