@@ -44,6 +44,13 @@ network); a host array or mirrored component receives the allgather
 directly, with no further copy. A failure on any rank
 raises the same exception type on every rank (never a hang) and leaves
 every variable, array and iterator as it was.
+
+Each step of a save or restore ends with the ranks agreeing whether all of
+them succeeded (an interrupt inside a step is reported too), and its
+collectives carry the step's name (``Checkpoint.save 3/4: write``), which the
+ranks compare before every collective: a rank that left a save or restore
+midway and starts another meets the others in a different step, and every
+rank raises ``CollectiveMismatchError`` naming both steps.
 """
 
 from __future__ import annotations
@@ -103,12 +110,26 @@ def _error_record(exc: BaseException) -> dict:
     return {"type": kind, "file": getattr(exc, "file", None), "entry": getattr(exc, "entry", None)}
 
 
+def _steps(operation: str, *steps: str) -> tuple[str, ...]:
+    """The names of an operation's steps, e.g. ``"Checkpoint.save 3/4: write"``. Local."""
+    return tuple(f"Checkpoint.{operation} {i}/{len(steps)}: {step}" for i, step in enumerate(steps, 1))
+
+
+# The steps of a save and of a restore; each step's collectives carry its name (see the module docstring).
+_AGREE, _PREPARE, _WRITE, _COMMIT = _steps("save", "items and arguments", "temporary directory", "write", "commit")
+_MANIFEST, _ITEMS, _READ, _STATES = _steps("restore", "manifest", "items", "read", "iterator states")
+
+
 class _Protocol:
     """The collective steps of one save or restore; each step asks whether every rank succeeded.
 
     The question is the communicator's :meth:`~mpidist.Communicator.outcome`:
     when some rank failed, every rank raises the exception type of the lowest
     failed rank, with a message naming every failed rank and what failed there.
+    A step's local work catches every exception, also ``KeyboardInterrupt`` and
+    ``SystemExit``, so that a rank leaves a save or restore only together with
+    the others: such an interrupt is re-raised on its own rank once every rank
+    knows of it (the others raise ``CheckpointError`` naming it).
     """
 
     def __init__(self, strategy: MPIStrategy, what: str) -> None:
@@ -116,29 +137,32 @@ class _Protocol:
         self.rank, self.size = strategy.rank, strategy.num_replicas_in_sync
         self.what = what
 
-    def check(self, failure: Optional[BaseException]) -> None:
-        """Collective: return when no rank failed (``failure`` is this rank's error); else raise on every rank."""
-        failures = self.comm.outcome(failure, "checkpoint")
+    def check(self, failure: Optional[BaseException], step: str) -> None:
+        """Collective: return when no rank failed in ``step`` (``failure`` is this rank's error); else raise on
+        every rank."""
+        failures = self.comm.outcome(failure, step)
         if not failures:
             return
         first = min(failures)  # the same on every rank: it tells the others its exception type
         mine = json.dumps(_error_record(failure)).encode() if self.rank == first and failure is not None else None
-        record = json.loads(self.comm.broadcast_bytes(mine, first, name="checkpoint error"))
+        record = json.loads(self.comm.broadcast_bytes(mine, first, name=f"{step} (error)"))
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # an interrupt stays what it is on its own rank
         cls = _ERRORS[record["type"]]
         message = on_rank(self.rank, f"{self.what}: {describe_failures(failures)}")
         exc = cls(message, file=record["file"], entry=record["entry"]) if cls is ChecksumError else cls(message)
         raise exc from failure
 
-    def gather(self, payload: Any, failure: Optional[BaseException]) -> list[Any]:
+    def gather(self, payload: Any, failure: Optional[BaseException], step: str) -> list[Any]:
         """Collective: every rank's JSON ``payload``; if any rank failed, raise on every rank."""
-        self.check(failure)
-        return [json.loads(b) for b in self.comm.allgather_bytes(json.dumps(payload).encode(), name="checkpoint")]
+        self.check(failure, step)
+        return [json.loads(b) for b in self.comm.allgather_bytes(json.dumps(payload).encode(), name=step)]
 
-    def share(self, payload: Any, failure: Optional[BaseException]) -> Any:
+    def share(self, payload: Any, failure: Optional[BaseException], step: str) -> Any:
         """Collective: rank 0's JSON ``payload`` on every rank; if any rank failed, raise on every rank."""
-        self.check(failure)
+        self.check(failure, step)
         data = json.dumps(payload).encode() if self.rank == 0 else None
-        return json.loads(self.comm.broadcast_bytes(data, 0, name="checkpoint"))
+        return json.loads(self.comm.broadcast_bytes(data, 0, name=step))
 
     def same(self, descriptions: list[Any], what: str) -> None:
         """Raise ``ValueError`` (on every rank: all see the same list) unless all ranks described the same."""
@@ -249,27 +273,26 @@ class Checkpoint:
         tmp, number = self._prepare(run, path, arrays)
         try:
             crcs = self._write_shares(run, tmp, arrays, values, block_bytes, fsync)
-        except BaseException:
+            # rank 0 commits: manifest, rename, prune
+            failure: Optional[BaseException] = None
+            payload: dict = {}
             if run.rank == 0:
-                fmt.discard(tmp)
+                try:
+                    for entry in arrays:
+                        entry[fmt.BLOCK_CRCS_KEY] = [
+                            crcs[entry["name"]][i] for i in range(fmt.block_count(entry["nbytes"], block_bytes))
+                        ]
+                    manifest = fmt.encode_manifest(fmt.make_manifest(entries, run.size, block_bytes))
+                    validate.decode_manifest(manifest, str(tmp / fmt.MANIFEST))  # never write what a reader refuses
+                    final = fmt.commit(tmp, number, manifest, fsync)
+                    payload = {"path": str(final), "problems": fmt.prune(Path(path), keep, final)}
+                except BaseException as exc:  # every rank must hear of it, also of an interrupt
+                    failure = exc
+            reply = run.share(payload, failure, _COMMIT)
+        except BaseException:  # failed on some rank, or left midway on this one: no temporary directory stays
+            if run.rank == 0:
+                fmt.discard(tmp)  # nothing to do once the commit renamed it
             raise
-        # rank 0 commits: manifest, rename, prune
-        failure: Optional[BaseException] = None
-        payload: dict = {}
-        if run.rank == 0:
-            try:
-                for entry in arrays:
-                    entry[fmt.BLOCK_CRCS_KEY] = [
-                        crcs[entry["name"]][i] for i in range(fmt.block_count(entry["nbytes"], block_bytes))
-                    ]
-                manifest = fmt.encode_manifest(fmt.make_manifest(entries, run.size, block_bytes))
-                validate.decode_manifest(manifest, str(tmp / fmt.MANIFEST))  # never write what a reader refuses
-                final = fmt.commit(tmp, number, manifest, fsync)
-                payload = {"path": str(final), "problems": fmt.prune(Path(path), keep, final)}
-            except Exception as exc:
-                failure = exc
-                fmt.discard(tmp)
-        reply = run.share(payload, failure)
         if reply["problems"] and run.rank == 0:
             warnings.warn(
                 f"Checkpoint.save committed {reply['path']} but could not prune older saves: "
@@ -315,9 +338,11 @@ class Checkpoint:
                     for name, obj in self._variables()
                     if (fingerprint := obj.policy.mirror_fingerprint(obj, threads)) is not None
                 }
-        except Exception as exc:  # reported to every rank by the agreement
+        except BaseException as exc:  # reported to every rank by the agreement
             failure = exc
-        replies = run.gather({"items": descriptions, "args": args, "states": states, "mirrors": mirrors}, failure)
+        replies = run.gather(
+            {"items": descriptions, "args": args, "states": states, "mirrors": mirrors}, failure, _AGREE
+        )
         run.same([r["items"] for r in replies], "the checkpoint's items")
         run.same([r["args"] for r in replies], "the arguments of save (path, keep, fsync, block_bytes, check_mirrors)")
         _check_mirrors(run.rank, run.what, [r["mirrors"] for r in replies])
@@ -333,11 +358,14 @@ class Checkpoint:
                 tmp, number = fmt.begin_save(path)
                 payload = {"tmp": str(tmp), "number": number}
                 fmt.create_files(tmp, arrays)
-            except Exception as exc:
+            except BaseException as exc:
                 failure = exc
-                if payload:
-                    fmt.discard(Path(payload["tmp"]))
-        reply = run.share(payload, failure)
+        try:
+            reply = run.share(payload, failure, _PREPARE)
+        except BaseException:  # failed here, or on another rank: rank 0 removes what it created
+            if payload:
+                fmt.discard(Path(payload["tmp"]))
+            raise
         return Path(reply["tmp"]), reply["number"]
 
     def _write_shares(
@@ -358,9 +386,9 @@ class Checkpoint:
                 if hi > lo
             ]
             crcs = fmt.write_pieces(tmp, pieces, block_bytes, fmt.io_threads(run.comm.local_size), fsync)
-        except Exception as exc:
+        except BaseException as exc:
             failure = exc
-        replies = run.gather({name: {str(k): v for k, v in c.items()} for name, c in crcs.items()}, failure)
+        replies = run.gather({name: {str(k): v for k, v in c.items()} for name, c in crcs.items()}, failure, _WRITE)
         merged: dict[str, dict[int, int]] = {e["name"]: {} for e in arrays}
         for reply in replies:
             for name, blocks in reply.items():
@@ -400,9 +428,9 @@ class Checkpoint:
         try:
             descriptions = self._describe()
             plan = self._match(manifest, directory, run.size)
-        except Exception as exc:
+        except BaseException as exc:
             failure = exc
-        run.same(run.gather(descriptions, failure), "the checkpoint's items")
+        run.same(run.gather(descriptions, failure, _ITEMS), "the checkpoint's items")
         arrays = [(obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
         block_bytes = manifest[fmt.BLOCK_BYTES_KEY]
         node = run.comm.node()  # the ranks that share this node's memory: each byte is read once per node
@@ -432,9 +460,9 @@ class Checkpoint:
                 with Save.open(path) as save:
                     save.check(save.arrays)
                     payload = {"dir": str(save.directory), "manifest": save.manifest}
-            except Exception as exc:  # MemoryError, RecursionError and OSError too: every rank must hear of it
+            except BaseException as exc:  # MemoryError, OSError, an interrupt too: every rank must hear of it
                 failure = exc
-        reply = run.share(payload, failure)
+        reply = run.share(payload, failure, _MANIFEST)
         return Path(reply["dir"]), reply["manifest"]
 
     def _read_shares(
@@ -456,9 +484,9 @@ class Checkpoint:
             self._place(pieces)
             with Save.at(directory, manifest) as save:
                 save.read([p for p in pieces if p.hi > p.lo], fmt.io_threads(run.comm.local_size))
-        except Exception as exc:
+        except BaseException as exc:
             failure = exc
-        run.check(failure)
+        run.check(failure, _READ)
         return [p.buffer for p in pieces]
 
     def _place(self, pieces: list[fmt.Piece]) -> None:
@@ -487,10 +515,10 @@ class Checkpoint:
                 state = entry["state"] if "state" in entry else entry["rank_states"][run.rank]
                 previous[name] = obj.get_state()
                 obj.set_state(json.loads(json.dumps(state)))  # a fresh copy
-        except Exception as exc:
+        except BaseException as exc:
             failure = exc
         try:
-            run.check(failure)
+            run.check(failure, _STATES)
         except BaseException:
             self._roll_back(previous)
             raise
@@ -650,7 +678,7 @@ class Checkpoint:
                 return mine
             out[...] = mine
             return out
-        name = f"checkpoint entry {entry['name']!r}"
+        name = f"Checkpoint.restore: entry {entry['name']!r}"
         if entry["nbytes"] <= _MAX_GATHER_BYTES:
             owners = [r for r, (lo, hi) in enumerate(shares) if hi > lo]
             if len(owners) == 1:  # one rank read it all (shares deal whole blocks): a broadcast

@@ -509,3 +509,119 @@ def test_restore_reads_each_byte_once_per_node_and_gathers_within_it(shared_dir,
                 assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (name, spans)  # disjoint, no gaps
     finally:
         strategy.free()
+
+
+# -- a save or restore that fails, or is left midway, on one rank (whole jobs: test_checkpoint_interrupted.py) --
+class Interrupt(BaseException):
+    """Not an ``Exception``, as ``KeyboardInterrupt`` (which pytest itself would act on)."""
+
+
+def fail_once(monkeypatch, owner, attribute: str, error: BaseException, when=None) -> None:
+    """``owner.attribute`` raises ``error`` at its first call for which ``when(*args)`` holds (any call, without)."""
+    real = getattr(owner, attribute)
+
+    def fault(*args, **kwargs):
+        if when is None or when(*args, **kwargs):
+            monkeypatch.setattr(owner, attribute, real)
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attribute, fault)
+
+
+@pytest.fixture
+def quick():
+    """A strategy whose deadline (10 s) ends any wait that the tests below do not expect."""
+    s = mpidist.MPIStrategy(device="cpu", timeout=10)
+    yield s
+    s.free()
+
+
+def saved_model(strategy, shared_dir: Path) -> tuple[Checkpoint, dict]:
+    """Save 1 of a mirrored variable (all 1.0) and an input position (7); then the variable set to 2.0."""
+    with strategy.scope():
+        weights = mpidist.Variable(np.ones(40), name="weights")
+    inputs = ShardedRange(strategy.rank, strategy.num_replicas_in_sync)
+    inputs.position = 7
+    checkpoint = Checkpoint(weights=weights, inputs=inputs)
+    checkpoint.save(shared_dir, block_bytes=32)  # every rank writes a share
+    with strategy.scope():
+        weights.assign(np.full(40, 2.0))
+    return checkpoint, {"weights": weights, "inputs": inputs}
+
+
+def only_save_1(shared_dir: Path) -> None:
+    """Collective over the world: save 1 is intact and the newest, and no temporary directory is left."""
+    WORLD.Barrier()
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["ckpt-000001"]
+    assert (read_checkpoint(shared_dir)["weights"] == 1.0).all()
+
+
+@pytest.mark.parametrize("step", ["items", "write", "commit"])
+def test_an_interrupt_in_a_save_step_on_one_rank_ends_that_save_on_every_rank(quick, shared_dir, monkeypatch, step):
+    n, r = quick.num_replicas_in_sync, quick.rank
+    checkpoint, model = saved_model(quick, shared_dir)
+    failing = 0 if step == "commit" else n - 1
+    if r == failing:
+        where = {"items": (model["inputs"], "get_state"), "write": (fmt, "write_pieces"), "commit": (fmt, "commit")}
+        fail_once(monkeypatch, *where[step], Interrupt("stop"))
+    with pytest.raises(Interrupt if r == failing else mpidist.CheckpointError) as info:
+        checkpoint.save(shared_dir, block_bytes=32)
+    if r != failing:  # told in the same step, by the failing rank
+        assert str(info.value).startswith(f"rank {r}: Checkpoint.save to {shared_dir} failed, the saves already")
+        assert str(info.value).endswith(f"rank {failing}: Interrupt: stop")
+    only_save_1(shared_dir)
+    assert checkpoint.save(shared_dir, block_bytes=32) == str(shared_dir / "ckpt-000002")
+    assert (read_checkpoint(shared_dir)["weights"] == 2.0).all()
+
+
+@pytest.mark.parametrize("step", ["read", "states"])
+def test_an_interrupt_in_a_restore_step_on_one_rank_modifies_nothing(quick, shared_dir, monkeypatch, step):
+    n, r = quick.num_replicas_in_sync, quick.rank
+    checkpoint, model = saved_model(quick, shared_dir)
+    model["inputs"].position = 0
+    if r == n - 1:
+        where = {"read": (reader.Save, "read"), "states": (model["inputs"], "set_state")}
+        fail_once(monkeypatch, *where[step], Interrupt("stop"))
+    with pytest.raises(Interrupt if r == n - 1 else mpidist.CheckpointError) as info:
+        checkpoint.restore(shared_dir)
+    if r != n - 1:
+        assert str(info.value).endswith(f"nothing was modified: rank {n - 1}: Interrupt: stop")
+    assert (components(model["weights"]) == 2.0).all() and model["inputs"].position == 0
+    checkpoint.restore(shared_dir)
+    assert (components(model["weights"]) == 1.0).all() and model["inputs"].position == 7
+
+
+@pytest.mark.parametrize("operation", ["save", "restore"])
+def test_ranks_in_different_steps_raise_a_mismatch_naming_both_steps(quick, shared_dir, monkeypatch, operation):
+    """The last rank leaves a step in the middle of its collective (as an interrupt there would), then calls
+    again: its new call meets the others still in the step it left, and every rank raises."""
+    n, r = quick.num_replicas_in_sync, quick.rank
+    if n == 1:
+        pytest.skip("needs two ranks to be in different steps")
+    checkpoint, model = saved_model(quick, shared_dir)
+    model["inputs"].position = 0
+    left, again = {
+        "save": ("Checkpoint.save 3/4: write", "Checkpoint.save 1/4: items and arguments"),
+        "restore": ("Checkpoint.restore 3/4: read", "Checkpoint.restore 1/4: manifest"),
+    }[operation]
+
+    def call() -> str:
+        return checkpoint.save(shared_dir, block_bytes=32) if operation == "save" else checkpoint.restore(shared_dir)
+
+    if r == n - 1:
+        fail_once(monkeypatch, quick.communicator, "outcome", Interrupt("stop"), lambda error, name: name == left)
+        with pytest.raises(Interrupt):
+            call()
+    with pytest.raises(mpidist.CollectiveMismatchError) as info:
+        call()  # the others' first call, the last rank's second
+    others = "rank 0" if n == 2 else f"ranks 0-{n - 2}"
+    assert f"{others}: #" in str(info.value) and f"'{left} (outcome)'" in str(info.value)
+    assert f"rank {n - 1}: #" in str(info.value) and f"'{again} (outcome)'" in str(info.value)
+    only_save_1(shared_dir)
+    assert (components(model["weights"]) == 2.0).all() and model["inputs"].position == 0  # nothing was modified
+    call()  # every rank calls together again: it works
+    if operation == "save":
+        assert (read_checkpoint(shared_dir)["weights"] == 2.0).all()
+    else:
+        assert (components(model["weights"]) == 1.0).all() and model["inputs"].position == 7
