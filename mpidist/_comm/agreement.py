@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     # What a call moves: one array, the list of arrays of a fused reduction, or nothing (a barrier).
     CallData = Union[Array, list[Array], tuple[Array, ...], None]
 
-__all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate", "validate_out"]
+__all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate", "validate_out", "word_bits"]
 
 # dtype chars MPI can move.
 DTYPES = "?bhilqBHILQefdFD"
@@ -164,6 +164,14 @@ class Call:
             f"{name!r} {op or 'rank 0s value'} {np.dtype(dtype).name}{list(shape)}"
             for (op, dtype, shape), name in zip(specs, names)
         ]
+
+
+def word_bits(size: int) -> int:
+    """Local: bits per hash word at ``size`` ranks, the most for which ``size * 2**(2b) <= 2**52`` (at least 8).
+
+    Sums of ``size`` such words and of their squares are exact in ``float64`` in any order.
+    """
+    return max(8, (52 - math.ceil(math.log2(max(size, 2)))) // 2)
 
 
 def update_identity(fn: Any) -> Optional[str]:
@@ -339,7 +347,7 @@ class Agreement:
         self.transport = transport
         self._options = transport.options
         n = transport.size
-        self._bits = max(8, (52 - max(1, math.ceil(math.log2(max(n, 2))))) // 2)
+        self._bits = word_bits(n)
         self._mask = (1 << self._bits) - 1
         self._flags = _CLEAR  # bad, non-finite, stop: as last written into the record
         self._mine: tuple[float, ...] = ()  # the hash words last written

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping, Sequence
 from typing import Union
 
 import numpy as np
 
+from mpidist._comm.agreement import word_bits
 from mpidist._comm.outcome import group_ranks
 
 __all__ = [
@@ -46,18 +46,12 @@ __all__ = [
     "order_agreed",
     "order_differences",
     "order_record",
-    "word_bits",
 ]
 
 Fields = Mapping[str, Union[int, str]]
 
 WORDS = 3  # hash words: two sets of fields that differ give the same words with probability 2**(-3b)
 SLOTS = 1 + 2 * WORDS
-
-
-def word_bits(size: int) -> int:
-    """Bits per hash word at ``size`` ranks: the most for which ``size * 2**(2b) <= 2**52`` (at least 8)."""
-    return max(8, (52 - math.ceil(math.log2(max(size, 2)))) // 2)
 
 
 def order_record(fields: Fields, failed: bool, size: int) -> np.ndarray:

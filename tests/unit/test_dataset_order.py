@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpidist._comm.agreement import word_bits
 from mpidist._input.order import (
     SLOTS,
     WORDS,
@@ -14,7 +15,6 @@ from mpidist._input.order import (
     order_agreed,
     order_differences,
     order_record,
-    word_bits,
 )
 
 FIELDS = {"dataset": "array", "num_samples": 30, "global_batch_size": 6, "shuffle": 1, "seed": 4, "epoch": 0}
