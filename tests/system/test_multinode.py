@@ -255,7 +255,7 @@ def test_mismatch_bad_argument_and_deadline_across_nodes(cluster, out):
     for rank, report in found.items():
         errors = report["errors"]
         assert errors["mismatch"]["type"] == "CollectiveMismatchError", (rank, errors)
-        assert f"rank {last}: #1 allreduce(sum) of 'reduce' float64[3]" in errors["mismatch"]["message"]
+        assert f"rank {last}: #2 allreduce(sum) of 'reduce' float64[3]" in errors["mismatch"]["message"]
         if rank == last:
             assert errors["bad-argument"]["type"] == "ValueError", errors
         else:
