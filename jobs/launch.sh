@@ -42,6 +42,30 @@ load_mpi_env() {
   return 0
 }
 
+# MPICH names a step's shared memory (/dev/shm/mpich_shm_<hash>_<node>, mpich_vci_...) after its
+# PMI name, "<job id>.<step id>" under srun, and joins a segment of that name when one exists. A
+# requeued job keeps its id and numbers its steps from 0 again, so a step of its earlier run that
+# was killed before MPI_Finalize left a segment that the same step of the new run joins: MPI_Init
+# then hangs or fails ("Message truncated"). Remove this user's segments named after this job's
+# first 64 steps that are older than this run of the batch script (no step of this run made them).
+remove_stale_mpich_segments() {
+  local age step name i code hash file
+  age="$(ps -o etimes= -p $$ 2>/dev/null)" && [ -n "${SLURM_JOB_ID:-}" ] && [ -d /dev/shm ] || return 0
+  local started=$((EPOCHSECONDS - age))
+  for ((step = 0; step < 64; step++)); do
+    name="$SLURM_JOB_ID.$step" hash=2166136261  # the 32-bit FNV-1a hash MPICH takes of the name
+    for ((i = 0; i < ${#name}; i++)); do
+      printf -v code '%d' "'${name:i:1}"
+      hash=$(( ((hash ^ code) * 16777619) & 0xffffffff ))
+    done
+    printf -v hash '%x' "$hash"
+    for file in /dev/shm/mpich_shm_"$hash"_* /dev/shm/mpich_vci_"$hash"_*; do
+      [ -O "$file" ] && [ "$(stat -c %Y "$file")" -lt "$started" ] && rm -f "$file"
+    done
+  done
+  return 0
+}
+
 # Inside a Slurm job: threads from the task's cores, the launcher (sets the array `launch` and
 # `python`), and the world-size check: MPI must see exactly the SLURM_NTASKS ranks Slurm
 # granted (a wrong srun --mpi starts N unconnected one-rank jobs instead), else exit 1.
@@ -79,6 +103,7 @@ slurm_launch() {
           *"--with-device=ch4:"*ofi*) export MPIR_CVAR_CH4_NETMOD=ofi ;;
         esac
       fi
+      [ "$flavour" = mpich ] && remove_stale_mpich_segments
       launch=(srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}" --kill-on-bad-exit=1) ;;
     mpiexec)
       load_mpi_env "$flavour"

@@ -339,9 +339,12 @@ class Finished(dict):
 
 
 JOB_NAMES = [job.name for job in _jobs("openmpi", Path("."))]
-# The pip MPICH (5.0, over UCX) now and then fails inside MPI_Init under srun on this one-node
-# test cluster (UCX start-up: "invalid bandwidth", or a truncated address exchange), before any
-# mpidist code runs; its mpiexec, and srun across the namespace nodes, start fine.
+# The pip MPICH (5.0, over UCX) now and then failed inside MPI_Init under srun on this one-node
+# test cluster ("invalid bandwidth", "Message truncated"), before any mpidist code runs. One cause
+# is known and removed: a step joined the shared-memory segment a killed step of an earlier job of
+# the same id had left (test clusters now take job ids of their own, and jobs/launch.sh removes a
+# requeued job's stale segments; tests/system/test_preemption_slurm.py checks the latter). Until
+# runs show no other cause, that failure of MPI_Init stays an expected failure here.
 MPICH_START_FAILURE = re.compile(r"Fatal error in internal_Init_thread|UCX +ERROR failed to unpack address")
 
 

@@ -120,6 +120,7 @@ if [ "$gpus" -gt 0 ]; then
   for ((i = 0; i < gpus; i++)); do : > "$state/dev/gpu$i"; done
   echo "Name=gpu File=${state}/dev/gpu[0-$((gpus - 1))]" > "$state/gres.conf"
 fi
+first_job_id=$(( (EPOCHSECONDS % 600000) * 100 + 1000 + RANDOM % 100 ))
 cat > "$state/slurm.conf" <<CONF
 # Written by mpidist's tests/system/cluster/slurm-up.sh: a one-node test cluster.
 ClusterName=mpidist-test
@@ -141,6 +142,10 @@ SelectTypeParameters=CR_Core
 SchedulerParameters=batch_sched_delay=0
 # Keep finished jobs visible for 5 s (scontrol show job), and sbatch --wait polling every 2 s.
 MinJobAge=5
+# Job ids of their own: a cluster that starts again from job 1 reuses the ids of the last one, and
+# MPICH names its shared memory after "<job id>.<step id>" (a segment left by a killed step of an
+# earlier cluster's job of that id makes a new step hang or fail inside MPI_Init).
+FirstJobId=${first_job_id}
 # Reject impossible requests at submission instead of leaving them pending forever.
 EnforcePartLimits=ALL
 # Trust the CPU count below even when the machine has fewer cores.
