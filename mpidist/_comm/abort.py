@@ -5,17 +5,24 @@ Two hooks, both local to install:
 - :func:`install_abort_on_error`: an uncaught exception, or ``sys.exit`` with a
   non-zero status, on any rank ends the whole MPI job (``MPI_Abort``) with the
   traceback tagged by rank.
-- :func:`install_exit_hook`: a rank that exits normally announces its
-  departure to the ranks still making collectives
-  (:func:`~mpidist._comm.agreement.leave_all`), which then raise
-  :class:`~mpidist.RankLeftError` naming it instead of waiting for the deadline.
+- :func:`install_exit_hook`: a rank that exits normally completes its
+  nonblocking collectives still in flight and announces its departure to the
+  ranks still making collectives (:func:`~mpidist._comm.agreement.leave_all`),
+  which then raise :class:`~mpidist.RankLeftError` naming it instead of
+  waiting for the deadline. A rank on which a deadline passed
+  (:class:`~mpidist.CollectiveTimeoutError`, also when the program caught it)
+  then ends with exit status 1 instead of 0, so that the job's status shows
+  that it did not run as written.
 
-Part of the comm layer: the only MPI call here is ``MPI_Abort``.
+Part of the comm layer: the only MPI calls here are ``MPI_Abort`` and ``MPI_Finalize``.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
+import io
+import os
 import sys
 import traceback
 from types import TracebackType
@@ -24,6 +31,7 @@ from typing import Any, NoReturn, Optional, Union
 from mpi4py import MPI
 
 from mpidist._comm.agreement import leave_all
+from mpidist._comm.deadline import deadline_errors
 from mpidist._errors import on_rank
 
 __all__ = ["install_abort_on_error", "install_exit_hook"]
@@ -63,7 +71,7 @@ def install_abort_on_error() -> None:
     if _state["abort"]:
         return
     _state["abort"] = True
-    previous_hook, previous_exit = sys.excepthook, sys.exit
+    previous_hook = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
         if issubclass(exc_type, KeyboardInterrupt) or _keep_default():
@@ -72,22 +80,26 @@ def install_abort_on_error() -> None:
         lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
         _abort(f"uncaught {exc_type.__name__}", lines, 1)
 
-    def exit(status: Union[str, int, None] = None) -> NoReturn:
-        _state["exit_code"] = status
-        previous_exit(status)
-
     sys.excepthook = hook
-    sys.exit = exit
 
 
 def install_exit_hook() -> None:
     """At exit, abort after a failing ``sys.exit`` (with abort-on-error), else announce the departure.
 
-    Local; idempotent.
+    After the departure, a rank on which a deadline passed ends with exit
+    status 1 where it would end with 0. Local; idempotent (it also notes the
+    status given to ``sys.exit``).
     """
     if _state["hooked"]:
         return
     _state["hooked"] = True
+    previous_exit = sys.exit
+
+    def exit(status: Union[str, int, None] = None) -> NoReturn:
+        _state["exit_code"] = status
+        previous_exit(status)
+
+    sys.exit = exit
     atexit.register(_at_exit)
 
 
@@ -96,3 +108,42 @@ def _at_exit() -> None:
     if _state["abort"] and code not in (None, 0) and not _keep_default():
         _abort(f"sys.exit({code!r})", [], code if isinstance(code, int) else 1)
     leave_all()
+    missed = deadline_errors()
+    # sys.last_value: an uncaught exception, which Python's exit status reports already
+    if missed and code in (None, 0) and not hasattr(sys, "last_value"):
+        _exit_failing(missed)
+
+
+def _exit_failing(missed: list[str]) -> NoReturn:
+    """End this process with status 1 now: a deadline passed here, and the program ended as if it had not.
+
+    Python offers no way to change the exit status of a program that ended
+    normally from an exit hook, so this one finishes the job itself: it
+    flushes the files still open, finalises MPI (the launcher then sees a
+    clean exit with status 1), and ends the process. Exit hooks registered
+    before mpidist's first communicator, and finalizers of objects still
+    alive, do not run.
+    """
+    world = MPI.COMM_WORLD
+    banner = on_rank(
+        None,
+        f"rank {world.rank} of {world.size} ends with exit status 1: {len(missed)} "
+        f"CollectiveTimeoutError{'s were' if len(missed) > 1 else ' was'} raised on this rank (and caught), "
+        f"so the job did not run as written. The first: {missed[0]}",
+    )
+    sys.stderr.write(f"[rank {world.rank}] {banner}\n")
+    _flush_files()
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(1)
+
+
+def _flush_files() -> None:
+    """Local: flush every file object still open for writing (``os._exit`` skips Python's closing of them)."""
+    for stream in (sys.stdout, sys.stderr, *gc.get_objects()):
+        if isinstance(stream, io.IOBase):
+            try:
+                if not stream.closed and stream.writable():
+                    stream.flush()
+            except (OSError, ValueError):  # a file that cannot be flushed any more: nothing to save
+                pass

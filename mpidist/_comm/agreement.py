@@ -40,7 +40,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
@@ -53,6 +52,7 @@ from mpidist._comm.transport import Transport
 from mpidist._errors import (
     CollectiveMismatchError,
     CommError,
+    MpidistError,
     NonFiniteError,
     RankLeftError,
     format_ranks,
@@ -330,7 +330,9 @@ class Ticket:
         return self.result
 
 
-_live: list[weakref.ref[Agreement]] = []  # in creation order
+# Every agreement not yet freed, in creation order: held strongly, so that the departures at exit never depend on
+# when the garbage collector of each rank frees a communicator.
+_live: list[Agreement] = []
 # What agree_array needs for one kind of call: the call, the carried size, this rank's hash words, the sums
 # that mean "agreed", and the record's data slots shaped like the array (send and receive side; None if not carried).
 _Plan = tuple[Call, int, tuple[float, ...], list[float], Any, Any]
@@ -362,7 +364,7 @@ class Agreement:
         self._plans: dict[tuple, _Plan] = {}
         self.stop_requested = False  # this rank asks for a coordinated stop (carried in the next record)
         self.stop_agreed = False  # some rank asked; every rank learns it at the same collective
-        _live.append(weakref.ref(self))
+        _live.append(self)
 
     @property
     def enabled(self) -> bool:
@@ -376,7 +378,8 @@ class Agreement:
             self._pending.wait()
         if self.request != MPI.REQUEST_NULL:
             self.request.Free()
-        _live[:] = [ref for ref in _live if ref() not in (None, self)]
+        if self in _live:
+            _live.remove(self)
 
     # -- starting and completing -------------------------------------------------------------
     def agree(
@@ -533,16 +536,19 @@ class Agreement:
         send[_SEQ + 1] = s * s
         return carry, expected
 
-    def leave(self) -> None:
-        """Collective with whatever the other ranks do next: announce that this rank exits.
+    def leave(self) -> bool:
+        """Collective with whatever the other ranks do next, nonblocking: start announcing that this rank exits.
 
         The other ranks' next agreement completes with this rank's "leaving"
         mark and raises :class:`~mpidist.RankLeftError` naming it. Ranks that
-        all leave together simply agree to leave.
+        all leave together simply agree to leave. Returns whether the
+        announcement started (not on an unusable communicator, nor with
+        agreement off); :meth:`finish_leaving` waits for it, so that a rank
+        leaves all its communicators at once, whichever one the others are in.
         """
         t = self.transport
         if t.broken is not None or not self.enabled:
-            return
+            return False
         if self._pending is not None:
             self._pending.wait()
         t.begin()
@@ -553,6 +559,11 @@ class Agreement:
         r = float(t.rank + 1)
         send[_LEAVING], send[_LEFT1], send[_LEFT2] = 1.0, r, r * r
         t.call("agreement", self.request.Start)
+        return True
+
+    def finish_leaving(self) -> None:
+        """Local: wait (under the deadline) until the other ranks took in this rank's departure (:meth:`leave`)."""
+        t = self.transport
         t.poll(self.request, "exit of this rank (waiting for the other ranks to reach their next collective)")
         t.broken = "this rank left the job"
 
@@ -701,12 +712,27 @@ def _left_message(rank: int, count: int, s1: float, s2: float, what: str, seq: i
 
 
 def leave_all() -> None:
-    """Local: announce this rank's exit on every live communicator (an exit hook calls this)."""
-    for ref in list(_live):
-        agreement = ref()
-        if agreement is None:
-            continue
+    """At exit, on every communicator not freed: complete the handles still in flight (in creation order), then
+    announce this rank's exit on all of them at once (an exit hook calls this; collective with the other ranks'
+    next step).
+
+    Errors are not raised: a deadline error among them sets the exit status (see :mod:`~mpidist._comm.abort`).
+    """
+    live = list(_live)
+    for agreement in live:
         try:
-            agreement.leave()
-        except (CommError, MPI.Exception):
+            agreement.transport.complete_handles()
+        except (MpidistError, MPI.Exception):
+            pass
+    leaving = []
+    for agreement in live:  # on every communicator at once: another rank may wait in any of them
+        try:
+            if agreement.leave():
+                leaving.append(agreement)
+        except (MpidistError, MPI.Exception):
+            pass
+    for agreement in leaving:
+        try:
+            agreement.finish_leaving()
+        except (MpidistError, MPI.Exception):
             pass

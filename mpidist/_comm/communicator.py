@@ -170,7 +170,11 @@ class Communicator:
         return self._node_communicator
 
     def free(self) -> None:
-        """Collective: release the duplicated communicators."""
+        """Collective: complete the handles still in flight (in start order), then release the duplicated
+        communicators. A second call does nothing."""
+        if self._transport.freed:
+            return
+        self._transport.complete_handles()
         if self._node_communicator not in (None, self):
             self._node_communicator.free()
         self._agreement.free()

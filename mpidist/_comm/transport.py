@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._comm.deadline import Deadline
+from mpidist._comm.deadline import Deadline, note_deadline_error
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._errors import CollectiveTimeoutError, CommError, on_rank
 from mpidist._options import Options
 
 if TYPE_CHECKING:
+    from mpidist._comm.handle import Handle
     from mpidist._typing import Array
 
 __all__ = ["Transport", "duplicate"]
@@ -54,12 +55,39 @@ class Transport(Deadline):
         self.broken = None
         self.yield_while_waiting = False
         self.queries = 0
+        self.handles: dict[Handle, None] = {}  # nonblocking collectives in flight, in start order
+        self.stranded: list[MPI.Request] = []  # requests a deadline gave up on (they keep their buffers)
+
+    @property
+    def freed(self) -> bool:
+        """Whether :meth:`free` released ``comm``."""
+        return self.comm == MPI.COMM_NULL
 
     def free(self) -> None:
         """Collective: release ``comm``."""
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
         self.broken = "the communicator was freed"
+
+    def complete_handles(self) -> None:
+        """Collective: complete every handle still in flight, in start order (at ``free()`` and at exit).
+
+        The :class:`~mpidist.Handle` registers itself in :attr:`handles` when it
+        starts and leaves once MPI is done with its buffers, so a handle the
+        program dropped before ``wait()`` completes here, on every rank at the
+        same point. A handle's error stays with the handle (its next ``wait()``
+        raises it), as an executor's shutdown leaves errors with its futures.
+        Handles of a communicator that a deadline or a departure made unusable
+        stay held: they can never complete, and MPI may still write into their
+        buffers.
+        """
+        while self.handles and self.broken is None:
+            handle = next(iter(self.handles))
+            try:
+                handle.wait()
+            except Exception:  # the handle keeps it; nothing of it is in flight any more, unless the deadline passed
+                if self.broken is None:
+                    self.handles.pop(handle, None)
 
     def begin(self) -> int:
         """Local: number the next collective (raises if the communicator is unusable)."""
@@ -152,11 +180,13 @@ def duplicate(base: MPI.Intracomm, timeout: Optional[float]) -> MPI.Intracomm:
         pause = 1e-5
         while not request.Test():
             if deadline is not None and time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    on_rank(
-                        base.rank,
-                        f"creating mpidist's communicator over {base.size} ranks: not every rank arrived within "
-                        f"{timeout:g} s (a rank failed or exited before it created its strategy or communicator)",
+                raise note_deadline_error(
+                    CollectiveTimeoutError(
+                        on_rank(
+                            base.rank,
+                            f"creating mpidist's communicator over {base.size} ranks: not every rank arrived within "
+                            f"{timeout:g} s (a rank failed or exited before it created its strategy or communicator)",
+                        )
                     )
                 )
             time.sleep(pause)

@@ -11,6 +11,7 @@ on). Every reduction runs on the strategy's
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -53,11 +54,19 @@ class StrategyExtended:
     """
 
     def __init__(self, strategy: MPIStrategy, communicator: Communicator, options: Options) -> None:
-        self._strategy = strategy
+        # weakly: the strategy holds this object, and a cycle would leave its end to the garbage collector
+        self._owner = weakref.ref(strategy)
         self._comm = communicator
         self._flat = FlatStore(communicator.backend.xp) if options.flat_variables else None
         self._check_every = options.check_mirrored_every
         self._unnamed = 0
+
+    @property
+    def _strategy(self) -> MPIStrategy:
+        strategy = self._owner()
+        if strategy is None:
+            raise RuntimeError(on_rank(self._comm.rank, "strategy.extended outlived its strategy, which was deleted"))
+        return strategy
 
     def default_name(self) -> str:
         """Local: the next default variable name of this strategy: ``"Variable"``, ``"Variable_1"``, ..."""

@@ -105,9 +105,11 @@ class MPIStrategy:
         return f"<MPIStrategy rank {self.rank} of {self.num_replicas_in_sync}, {self.backend!r}>"
 
     def free(self) -> None:
-        """Collective: release the communicators this strategy created."""
+        """Collective: complete the nonblocking collectives still in flight, then release the communicators this
+        strategy created. A second call does nothing."""
         self._communicator.free()
         if self._own_comm:
+            self._own_comm = False
             self.comm.Free()
 
     # -- contexts ------------------------------------------------------------------------

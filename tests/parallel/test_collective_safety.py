@@ -22,10 +22,13 @@ JOB = str(SAMPLES / "safety_job.py")
 RANKS = [2, 3, pytest.param(8, marks=pytest.mark.ranks8)]
 
 
-def launch(n: int, scenario: str, out_dir: Path, timeout: float = 60) -> dict[int, dict[str, tuple[float, str]]]:
-    """Run the scenario at ``n`` ranks; every rank's {case: (seconds, outcome)}."""
+def launch(
+    n: int, scenario: str, out_dir: Path, timeout: float = 60, failed: bool = False
+) -> dict[int, dict[str, tuple[float, str]]]:
+    """Run the scenario at ``n`` ranks (a job that ``failed`` ends with a status other than 0); every rank's
+    {case: (seconds, outcome)}."""
     result = run_mpi(n, [sys.executable, JOB, scenario, str(out_dir)], timeout=timeout, env=dict(os.environ))
-    assert result.returncode == 0, result.describe()
+    assert result.returncode is not None and (result.returncode != 0) == failed, result.describe()
     seen = {}
     for r in range(n):
         path = out_dir / f"rank{r}.txt"
@@ -87,7 +90,7 @@ def test_mismatches_are_errors_on_every_rank_naming_both_sides(n, tmp_path):
 
 @pytest.mark.parametrize("n", RANKS)
 def test_a_rank_that_stays_away_is_named_at_the_deadline(n, tmp_path):
-    seen = launch(n, "deadline", tmp_path, timeout=3 + 10 + 20)
+    seen = launch(n, "deadline", tmp_path, timeout=3 + 10 + 20, failed=True)  # a caught deadline error fails the job
     bad = n - 1
     assert seen[bad]["deadline"][1] == "ok stayed away"
     for r in range(n - 1):

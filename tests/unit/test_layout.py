@@ -81,8 +81,8 @@ def test_input_needs_no_strategy_not_even_for_types():
         assert "mpidist._distribute" not in path.read_text(), f"_input/{path.name} refers to mpidist._distribute"
 
 
-# Underscore names that are public by convention: namedtuple's API.
-PUBLIC_UNDERSCORE_NAMES = {"_asdict", "_fields", "_make", "_replace"}
+# Underscore names that are public by convention: namedtuple's API, and os._exit.
+PUBLIC_UNDERSCORE_NAMES = {"_asdict", "_fields", "_make", "_replace", "_exit"}
 
 
 def defined_private_names(tree: ast.AST) -> set[str]:

@@ -7,8 +7,8 @@ the one hook an algorithm overrides:
 
 - :meth:`Reduction.reduce_implementation`: blocking, one buffer;
 - :meth:`Reduction.start_implementation`: nonblocking, the pieces of a
-  pipelined reduction, returning their requests and the step that completes
-  them once the requests did.
+  pipelined reduction, returning their requests and the local step that
+  completes them once the requests did (it makes no MPI call).
 
 A piece is a cache-sized slice of one array reduced by its own MPI call
 (``options.piece_bytes``, :meth:`Reduction.pieces`). A wire encoding (such as
@@ -72,8 +72,10 @@ class Reduction:
     def start(self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
         """Collective, nonblocking: start reducing each ``(send or None, recv)`` piece.
 
-        Returns the requests and the step to run once they completed (which
-        may make further, blocking MPI calls).
+        Returns the requests and the step to run once they completed, which
+        is local: completing a nonblocking collective makes no further MPI
+        call, so that handles may complete in any order, and at ``free()`` or
+        exit.
         """
         if self.size == 1:
             for send, recv in pieces:
@@ -90,5 +92,5 @@ class Reduction:
     def start_implementation(
         self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op
     ) -> tuple[list[MPI.Request], Completion]:
-        """Collective, at two ranks or more: :meth:`start`'s work."""
+        """Collective, at two ranks or more: :meth:`start`'s work (every MPI call started here, none in the step)."""
         raise NotImplementedError

@@ -11,16 +11,23 @@ point numbers are added (exactly, for integers).
 ranks form a "node", :func:`~mpidist._comm.topology.group_split`), so the
 algorithm can be tried and tested on one machine; otherwise the nodes are the
 :class:`~mpidist._comm.topology.Topology`'s.
+
+The nonblocking form is the flat one (one ``MPI_Iallreduce`` per piece, all
+started at once). The stages of the two-level reduction depend on each other,
+so a nonblocking two-level reduction would have to start its later stages
+when the first completed: collective calls made by whichever call completes
+the handle (``wait()``, or ``free()`` and the exit for a handle never waited),
+in an order that the ranks need not share. Completing a handle makes no
+collective call, whatever the algorithm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, cast
 
 from mpi4py import MPI
 
-from mpidist._comm.algorithms.base import Completion, Piece, Reduction
+from mpidist._comm.algorithms.flat import Flat
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport
 
@@ -30,11 +37,13 @@ if TYPE_CHECKING:
 __all__ = ["Hierarchical"]
 
 
-class Hierarchical(Reduction):
+class Hierarchical(Flat):
     """Reduce to the node leader, allreduce among the leaders, broadcast within the node.
 
-    Collective construction over the transport's communicator (it splits the
-    leaders' communicator, and the nodes when ``options.node_size`` is set);
+    Blocking reductions take the three stages; nonblocking ones are the flat
+    algorithm's (inherited: see the module's docstring for why). Collective
+    construction over the transport's communicator (it splits the leaders'
+    communicator, and the nodes when ``options.node_size`` is set);
     :meth:`free` (collective) releases what it split.
     """
 
@@ -54,30 +63,15 @@ class Hierarchical(Reduction):
                 c.Free()
 
     def reduce_implementation(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
-        """Collective: the three stages, blocking."""
-        self.transport.run(what, "Reduce", *self._to_leader(send, recv, mpi_op), comm=self.node)
-        self._complete(what, recv, mpi_op)
-
-    def start_implementation(
-        self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op
-    ) -> tuple[list[MPI.Request], Completion]:
-        """Collective: the reductions within the node run in the background; the completion runs the rest."""
-        start = self.transport.start
-
-        def complete() -> None:
-            for _, recv in pieces:
-                self._complete(what, recv, mpi_op)
-
-        return [start("Reduce", *self._to_leader(s, r, mpi_op), comm=self.node) for s, r in pieces], complete
+        """Collective: the three stages, blocking: onto the node leader, among the leaders, within the node."""
+        run = self.transport.run
+        run(what, "Reduce", *self._to_leader(send, recv, mpi_op), comm=self.node)
+        if self.is_leader and self.leaders.size > 1:
+            run(what, "Allreduce", MPI.IN_PLACE, recv, mpi_op, comm=self.leaders)
+        run(what, "Bcast", recv, 0, comm=self.node)
 
     def _to_leader(self, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> tuple[Any, Any, MPI.Op, int]:
         """Local: the arguments of the reduction onto the node leader (in place on the leader)."""
         if self.is_leader:
             return MPI.IN_PLACE if send is None else send, recv, mpi_op, 0
         return recv if send is None else send, None, mpi_op, 0
-
-    def _complete(self, what: str, recv: Array, mpi_op: MPI.Op) -> None:
-        """Collective: the leaders' allreduce of ``recv``, then the broadcast within each node (blocking)."""
-        if self.is_leader and self.leaders.size > 1:
-            self.transport.run(what, "Allreduce", MPI.IN_PLACE, recv, mpi_op, comm=self.leaders)
-        self.transport.run(what, "Bcast", recv, 0, comm=self.node)
