@@ -209,6 +209,48 @@ def test_allreduce_output_forms_on_different_ranks(strategy):
         np.testing.assert_array_equal(got, np.full(size, n * (n + 1) / 2))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(check_collectives=False),  # the data always goes through the reduction algorithm
+        dict(check_collectives=False, timeout=None),  # the blocking MPI calls
+        dict(hierarchical=True, node_size=2),  # the two-level algorithm (blocking) and the flat one (nonblocking)
+    ],
+    ids=["flat", "flat-blocking-mpi", "hierarchical"],
+)
+def test_the_output_form_never_changes_the_mpi_calls(options):
+    # MPI wants MPI_IN_PLACE on every rank of a reduction or on none: each rank reduces in place, whatever form
+    s = MPIStrategy(device="cpu", abort_on_error=False, **{"timeout": 30, **options})
+    comm, transport = s.communicator, s.communicator._transport
+    seen: list[tuple[str, bool]] = []
+
+    def spy(method: str, at: int):  # at: where the MPI function's name is among the arguments
+        real = getattr(transport, method)
+
+        def record(*args, **kwargs):
+            seen.append((args[at], args[at + 1] is MPI.IN_PLACE))
+            return real(*args, **kwargs)
+
+        setattr(transport, method, record)
+
+    spy("run", 1)
+    spy("start", 0)
+    n = s.num_replicas_in_sync
+    try:
+        for size in (3, 300_000):  # one call, and pieces
+            for blocking in (True, False):
+                x = np.full(size, float(comm.rank + 1))
+                form = [{}, {"out": np.empty(size)}, {"inplace": True}][comm.rank % 3]
+                call = comm.allreduce if blocking else comm.iallreduce
+                got = call(x, name="forms", **form)
+                got = got if blocking else got.wait()
+                np.testing.assert_array_equal(got, np.full(size, n * (n + 1) / 2))
+    finally:
+        s.free()
+    allreduces = [in_place for mpi_name, in_place in seen if mpi_name == "Allreduce"]
+    assert n == 1 or (allreduces and all(allreduces)), seen
+
+
 def test_allgather_out_on_some_ranks_only(strategy):
     comm = strategy.communicator
     n = strategy.num_replicas_in_sync

@@ -5,10 +5,17 @@ public methods of :class:`Reduction` take MPI-ready buffers, handle the
 one-replica case (a copy, no MPI) once for every algorithm, and otherwise call
 the one hook an algorithm overrides:
 
-- :meth:`Reduction.reduce_implementation`: blocking, one buffer;
+- :meth:`Reduction.reduce_implementation`: blocking, one buffer reduced in place;
 - :meth:`Reduction.start_implementation`: nonblocking, the pieces of a
-  pipelined reduction, returning their requests and the local step that
-  completes them once the requests did (it makes no MPI call).
+  pipelined reduction (each reduced in place), returning their requests and
+  the local step that completes them once the requests did (it makes no MPI
+  call).
+
+The output form never changes the MPI calls: MPI requires ``MPI_IN_PLACE``
+on every rank of a reduction or on none, and whether a caller passes a
+separate input (a new array, ``out=``) or reduces in place is its own choice
+on each rank. So the template copies a separate input into the output
+buffer, locally, and the algorithms always reduce in place.
 
 A piece is a cache-sized slice of one array reduced by its own MPI call
 (``options.piece_bytes``, :meth:`Reduction.pieces`). A wire encoding (such as
@@ -45,7 +52,8 @@ class Reduction:
     Local construction unless a subclass says otherwise; :meth:`free` releases
     what the algorithm holds (collective). Buffers are MPI-ready (host
     memory, or device memory with CUDA-aware MPI); ``send`` ``None`` reduces
-    ``recv`` in place.
+    ``recv`` in place, and a ``send`` is copied into ``recv`` first, so that
+    every rank makes the same in-place MPI calls whatever form it chose.
     """
 
     def __init__(self, transport: Transport) -> None:
@@ -63,11 +71,10 @@ class Reduction:
 
     def reduce(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
         """Collective: ``recv`` <- the reduction of every rank's ``send`` (of ``recv`` itself if ``None``)."""
-        if self.size == 1:
-            if send is not None:
-                recv[...] = send
-            return
-        self.reduce_implementation(what, send, recv, mpi_op)
+        if send is not None:
+            recv[...] = send
+        if self.size > 1:
+            self.reduce_implementation(what, recv, mpi_op)
 
     def start(self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
         """Collective, nonblocking: start reducing each ``(send or None, recv)`` piece.
@@ -77,20 +84,21 @@ class Reduction:
         call, so that handles may complete in any order, and at ``free()`` or
         exit.
         """
+        for send, recv in pieces:
+            if send is not None:
+                recv[...] = send
         if self.size == 1:
-            for send, recv in pieces:
-                if send is not None:
-                    recv[...] = send
             return [], nothing
-        return self.start_implementation(what, pieces, mpi_op)
+        return self.start_implementation(what, [recv for _, recv in pieces], mpi_op)
 
     # -- what an algorithm overrides ---------------------------------------------------------
-    def reduce_implementation(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
-        """Collective, at two ranks or more: :meth:`reduce`'s work."""
+    def reduce_implementation(self, what: str, buffer: Array, mpi_op: MPI.Op) -> None:
+        """Collective, at two ranks or more: reduce ``buffer`` in place over every rank (:meth:`reduce`'s work)."""
         raise NotImplementedError
 
     def start_implementation(
-        self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op
+        self, what: str, buffers: Sequence[Array], mpi_op: MPI.Op
     ) -> tuple[list[MPI.Request], Completion]:
-        """Collective, at two ranks or more: :meth:`start`'s work (every MPI call started here, none in the step)."""
+        """Collective, at two ranks or more: start reducing each of ``buffers`` in place (:meth:`start`'s work;
+        every MPI call started here, none in the step)."""
         raise NotImplementedError

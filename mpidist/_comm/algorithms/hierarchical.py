@@ -23,7 +23,7 @@ collective call, whatever the algorithm.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import TYPE_CHECKING, cast
 
 from mpi4py import MPI
 
@@ -62,16 +62,13 @@ class Hierarchical(Flat):
             if c != MPI.COMM_NULL:
                 c.Free()
 
-    def reduce_implementation(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
+    def reduce_implementation(self, what: str, buffer: Array, mpi_op: MPI.Op) -> None:
         """Collective: the three stages, blocking: onto the node leader, among the leaders, within the node."""
         run = self.transport.run
-        run(what, "Reduce", *self._to_leader(send, recv, mpi_op), comm=self.node)
-        if self.is_leader and self.leaders.size > 1:
-            run(what, "Allreduce", MPI.IN_PLACE, recv, mpi_op, comm=self.leaders)
-        run(what, "Bcast", recv, 0, comm=self.node)
-
-    def _to_leader(self, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> tuple[Any, Any, MPI.Op, int]:
-        """Local: the arguments of the reduction onto the node leader (in place on the leader)."""
         if self.is_leader:
-            return MPI.IN_PLACE if send is None else send, recv, mpi_op, 0
-        return recv if send is None else send, None, mpi_op, 0
+            run(what, "Reduce", MPI.IN_PLACE, buffer, mpi_op, 0, comm=self.node)
+            if self.leaders.size > 1:
+                run(what, "Allreduce", MPI.IN_PLACE, buffer, mpi_op, comm=self.leaders)
+        else:
+            run(what, "Reduce", buffer, None, mpi_op, 0, comm=self.node)
+        run(what, "Bcast", buffer, 0, comm=self.node)
