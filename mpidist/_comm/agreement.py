@@ -11,10 +11,14 @@ communicator. Each rank fills the record with
   split into ``K`` integers ``h_k`` of ``b`` bits, each sent together with its
   square; dtype aliases (``'l'`` and ``'q'`` for int64) are one dtype, and the
   output form (a new array, ``out=``, in place) is not part of the call;
-- the collective's sequence number ``s`` (modulo ``2**b``) and its square;
+- the stamp ``s``, the collective's sequence number plus ``4096`` times the
+  steps this rank drew from mpidist's input iterators (modulo ``2**b``), and
+  its square, so that a rank that skipped a step disagrees in that step;
 - counters: 1 if this rank's own arguments are invalid, 1 if its data holds
   NaN or Inf (with ``check_finite``), 1 if it is leaving the job, 1 if it
-  asks for a coordinated stop;
+  asks for a coordinated stop; then five reserved slots, 0 today (a
+  fault-tolerance flag, per-rank timing sums, a wire-encoding id: see
+  docs/collective-safety.md);
 - for a small ``SUM``/``MEAN`` reduction of a host array, the data itself
   (up to :data:`SMALL` elements), so that the agreement and the reduction are
   one MPI call.
@@ -29,7 +33,7 @@ differ" (or some rank's arguments are invalid, or some data is not finite)
 do the ranks gather per-rank descriptions (a second, variable-size exchange)
 to name the ranks and what each of them passed.
 
-Cost per rank and collective: one allreduce of ``8 * (SMALL + 14)`` bytes,
+Cost per rank and collective: one allreduce of ``8 * (SMALL + 19)`` bytes,
 ``O(log N)`` latency, the same size at any ``N``; nothing more unless
 something is wrong. A deadline (``options.timeout``) is honoured by polling
 the request (:meth:`~mpidist._comm.deadline.Deadline.poll`).
@@ -40,6 +44,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+import re
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
@@ -76,12 +81,20 @@ _CARRIED = frozenset("?bhiBHIefd")
 SMALL = 32  # data slots of the record: reductions of up to this many elements need one MPI call
 _K = 3  # hash words
 
-# Record slots after the data.
-_BAD, _NONFINITE, _LEAVING, _LEFT1, _LEFT2, _STOP, _SEQ = range(SMALL, SMALL + 7)
-_HASH = _SEQ + 2  # _SEQ, _SEQ + 1: s, s**2; then h_k, h_k**2 for k < _K
+# Record slots after the data: the flags, the stamp, the hash words (docs/collective-safety.md, "The record").
+# _FAULT, _TIME1, _TIME2, _WIRE1 and _WIRE2 are reserved: 0 on every rank today, so that what later rides in the
+# record (a fault-tolerance flag, per-rank timing sums, a wire-encoding id and its square) changes neither its
+# size nor the agreed verdict of a program that does not use it.
+_BAD, _NONFINITE, _LEAVING, _LEFT1, _LEFT2, _STOP, _FAULT, _TIME1, _TIME2, _WIRE1, _WIRE2, _SEQ = range(
+    SMALL, SMALL + 12
+)
+_HASH = _SEQ + 2  # _SEQ, _SEQ + 1: the stamp s and s**2; then h_k, h_k**2 for k < _K
 _SIZE = _HASH + 2 * _K
 _CLEAR = (0.0, 0.0, 0.0)
-_NOTHING = [0.0] * 6  # bad, non-finite, leaving (count and two sums), stop
+_NOTHING = [0.0] * (_SEQ - _BAD)  # every flag and reserved slot clear
+# The per-collective path spells the offsets of the tail (the record from _BAD on) as literals: check them here.
+assert (_SEQ - _BAD, _HASH - _BAD) == (11, 13), "update the literal tail offsets in Agreement.agree_array/_verify"
+_STEP_STRIDE = 1 << 12  # the stamp is (sequence number + input steps * this) modulo 2**bits
 
 
 class Kind(enum.IntEnum):
@@ -364,7 +377,13 @@ class Agreement:
         self._plans: dict[tuple, _Plan] = {}
         self.stop_requested = False  # this rank asks for a coordinated stop (carried in the next record)
         self.stop_agreed = False  # some rank asked; every rank learns it at the same collective
+        # steps drawn from mpidist's input iterators over this communicator: part of every call's stamp
+        self.input_steps = 0
         _live.append(self)
+
+    def _stamp(self) -> float:
+        """Local: what every rank's record carries in ``_SEQ``: the collective's number and the input steps drawn."""
+        return float((self.transport.seq + self.input_steps * _STEP_STRIDE) & self._mask)
 
     @property
     def enabled(self) -> bool:
@@ -439,7 +458,7 @@ class Agreement:
         send = self._send
         if mine is not self._mine:
             send[_HASH:] = self._mine = mine
-        s = float(t.seq & self._mask)
+        s = float((t.seq + self.input_steps * _STEP_STRIDE) & self._mask)
         send[_SEQ] = s
         send[_SEQ + 1] = s * s
         request = self.request
@@ -448,7 +467,7 @@ class Agreement:
             t.poll(request, call)
         tail = self._recv[_BAD:].tolist()
         n = t.size
-        if tail[6] == n * s and tail[7] == n * s * s and tail[8:] == expected and tail[:6] == _NOTHING:
+        if tail[11] == n * s and tail[12] == n * s * s and tail[13:] == expected and tail[:11] == _NOTHING:
             return out
         self._verify(call, None, carry, expected)
         return out
@@ -531,7 +550,7 @@ class Agreement:
         mine, expected = self._identity(call, carry)
         if mine is not self._mine:
             send[_HASH:] = self._mine = mine
-        s = float(t.seq & self._mask)
+        s = self._stamp()
         send[_SEQ] = s
         send[_SEQ + 1] = s * s
         return carry, expected
@@ -590,8 +609,8 @@ class Agreement:
         """Local: the verdict on the summed records, the same on every rank; the carried sums when agreed."""
         t = self.transport
         tail = self._recv[_BAD:].tolist()
-        n, s = t.size, float(t.seq & self._mask)
-        if tail[8:] == expected and tail[6] == n * s and tail[7] == n * s * s and not any(tail[:6]):
+        n, s = t.size, self._stamp()
+        if tail[13:] == expected and tail[11] == n * s and tail[12] == n * s * s and not any(tail[:11]):
             return self._recv[:carry] if carry else None  # the common case
         bad, nonfinite, leaving, left1, left2, stop = tail[:6]
         if stop:
@@ -602,7 +621,7 @@ class Agreement:
                 _left_message(t.rank, int(leaving), left1, left2, call.describe(), t.seq),
                 _left_ranks(int(leaving), left1, left2),
             )
-        if bad or not (tail[8:] == expected and tail[6] == n * s and tail[7] == n * s * s):
+        if bad or not (tail[13:] == expected and tail[11] == n * s and tail[12] == n * s * s):
             self._mismatch(call, error)
         if nonfinite:
             self._nonfinite(call)
@@ -614,7 +633,8 @@ class Agreement:
             mine = f"could not take part: {type(error).__name__}: {error}"
         else:
             mine = "\n".join([call.describe(), *call.layout()])
-        texts = gather_texts(t, "agreement details", f"#{t.seq} {mine}")
+        steps = f" after {self.input_steps} input steps" if self.input_steps else ""
+        texts = gather_texts(t, "agreement details", f"#{t.seq}{steps} {mine}")
         heads = {r: text.split("\n", 1)[0] for r, text in enumerate(texts)}
         lines = group_ranks(heads, things="calls")
         layouts = [text.split("\n")[1:] for text in texts]
@@ -627,6 +647,18 @@ class Agreement:
                     f"ranks disagree on the options of {call.name}: {_option_differences(layouts)}. These "
                     "options shape the collectives and must be the same on every rank (set them alike, or "
                     "leave the MPIDIST_* variables alike on every node); see docs/collective-safety.md.",
+                ),
+                heads,
+            )
+        if _input_steps_differ(texts):
+            raise CollectiveMismatchError(
+                on_rank(
+                    t.rank,
+                    f"ranks drew different numbers of steps from their input before collective #{t.seq} "
+                    f"({call.describe()}): {group_ranks({r: f'{_input_steps(h)} steps' for r, h in heads.items()})}. "
+                    "Every rank must call next() on its mpidist input iterators the same number of times (a rank "
+                    "that skipped or repeated a step would pair its data with another step's); no array was "
+                    "modified.",
                 ),
                 heads,
             )
@@ -656,6 +688,18 @@ class Agreement:
             ),
             ranks,
         )
+
+
+def _input_steps(text: str) -> int:
+    """The input steps in a rank's description of its call (``#seq[ after N input steps] call``)."""
+    found = re.match(r"#\d+ after (\d+) input steps ", text)
+    return int(found.group(1)) if found else 0
+
+
+def _input_steps_differ(texts: list[str]) -> bool:
+    """Whether the ranks' descriptions differ in the input steps, and in nothing else."""
+    calls = {re.sub(r"^(#\d+)( after \d+ input steps)? ", r"\1 ", text) for text in texts}
+    return len(calls) == 1 and len({_input_steps(text) for text in texts}) > 1
 
 
 def _nonfinite(data: CallData) -> bool:

@@ -283,6 +283,16 @@ class Communicator:
         self._transport.begin()
         self._transport.run("barrier", "Barrier")
 
+    def count_input_step(self) -> None:
+        """Local: note that this rank drew one step from an mpidist input iterator over this communicator.
+
+        The number of steps drawn is part of what the ranks agree on at each
+        later collective (with ``check_collectives``): a rank that skipped or
+        repeated a step raises :class:`~mpidist.CollectiveMismatchError` on
+        every rank in the step's first collective.
+        """
+        self._agreement.input_steps += 1
+
     def split_counts(self, n: int) -> list[int]:
         """Local: ``n`` items split as evenly as possible over the ranks, lower ranks first."""
         base, extra = divmod(n, self.size)

@@ -265,6 +265,7 @@ class DistributedIterator:
             self._refill()
         element, advance = self._ready.popleft()
         self._offset += advance
+        self._host.communicator.count_input_step()
         return wrap(self._rank, element)
 
     def _refill(self) -> None:

@@ -220,6 +220,31 @@ def test_a_restored_position_is_agreed_and_reads_the_rest_once(strategy):
     assert head + rest == epoch_order(30, 0, 4).tolist()
 
 
+def test_a_rank_that_skips_a_step_fails_within_that_step(strategy):
+    """The steps drawn are part of every collective's identity: a skipped step is a mismatch in that very step."""
+    r, n = world()
+    communicator = strategy.communicator
+    communicator.agreement.input_steps = 0  # earlier tests drew steps: count this test's
+    dist = distribute_dataset(strategy, ArrayDataset(np.arange(40.0), 2 * n, remainder="drop"))
+    it = iter(dist)
+    strategy.reduce("sum", next(it))  # step 1, on every rank
+    if odd(r, n):
+        next(it)  # this rank skips step 2: it would reduce step 3's data with the others' step 2
+    with pytest.raises(CollectiveMismatchError) if n > 1 else contextlib.nullcontext() as caught:
+        strategy.reduce("sum", next(it))
+    if n > 1:
+        others = "rank 0" if n == 2 else f"ranks 0-{n - 2}"
+        assert str(caught.value).endswith(
+            f"drew different numbers of steps from their input before collective #{communicator._transport.seq} "
+            f"(allreduce(sum) of 'reduce' float64[2]): {others}: 2 steps; rank {n - 1}: 3 steps. Every rank must "
+            "call next() on its mpidist input iterators the same number of times (a rank that skipped or repeated "
+            "a step would pair its data with another step's); no array was modified."
+        ), caught.value
+    # the steps drawn stay different, so every later collective of this strategy would fail; settle them
+    communicator.agreement.input_steps = 0
+    np.testing.assert_array_equal(strategy.reduce("sum", np.ones(2)), [n, n])
+
+
 def test_an_array_epoch_costs_one_small_allreduce(strategy, monkeypatch):
     """The agreement is the epoch's only collective (none at one rank): one allreduce of 7 float64 values."""
     _, n = world()
