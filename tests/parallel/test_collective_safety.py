@@ -96,7 +96,8 @@ def test_a_rank_that_stays_away_is_named_at_the_deadline(n, tmp_path):
     for r in range(n - 1):
         seconds, outcome = seen[r]["deadline"]
         assert outcome.startswith(f"CollectiveTimeoutError: rank {r}: "), outcome
-        assert f"rank {bad} has not arrived" in outcome and 3 <= seconds <= 3 + 10, (seconds, outcome)
+        # the deadline plus its grace (0.3 s), with room for 8 ranks on 2 cores: a doubled deadline fails
+        assert f"rank {bad} has not arrived" in outcome and 3 <= seconds <= 5.5, (seconds, outcome)
 
 
 @pytest.mark.parametrize("n", RANKS)

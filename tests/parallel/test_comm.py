@@ -276,7 +276,7 @@ def test_timeout_names_the_missing_rank():
             warnings.simplefilter("always")
             c.allreduce(np.ones(3))
         elapsed = time.monotonic() - start
-        assert 1.0 <= elapsed < 6.0
+        assert 1.0 <= elapsed < 1.9, elapsed  # the deadline plus its short grace: a doubled deadline fails
         assert info.value.missing_ranks == (1,)
         assert "rank 1 has not arrived" in str(info.value)
         assert str(info.value).startswith(on_rank(c.rank, ""))  # the one rank prefix, error and warning alike

@@ -44,7 +44,7 @@ def test_rank_skipping_a_collective_is_named_within_the_timeout(tmp_path):
         pattern = r"CollectiveTimeoutError after ([\d.]+) s missing=\[1\]: .*rank 1 has not arrived"
         match = re.match(pattern, seen.get(rank, ""))
         assert match, result.describe()
-        assert timeout <= float(match.group(1)) <= timeout + 5, result.describe()
+        assert timeout <= float(match.group(1)) <= 1.6 * timeout, result.describe()  # a doubled deadline fails
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job(tmp_path):

@@ -58,6 +58,35 @@ def test_stop_seen_by_every_rank_at_the_same_step(requester):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("requester", ["first", "last"])
+def test_a_stop_asked_after_a_steps_last_collective_stops_every_rank_one_step_later(requester):
+    """The race the design exists for: the request comes after the step's last collective, before should_stop().
+
+    No record carried it yet, so no rank, the requester included, stops at this step; the next
+    step's record carries it, and every rank stops there. A requester that stopped at once would
+    leave the others in the next step's collective.
+    """
+    strategy = md.MPIStrategy(device="cpu", timeout=30)
+    try:
+        n = strategy.num_replicas_in_sync
+        who = 0 if requester == "first" else n - 1
+        x = np.ones(3)
+        stopped = None
+        for step in range(STEPS):
+            strategy.reduce("sum", x)  # the step's last collective
+            if step == 3 and strategy.rank == who:
+                strategy.request_stop()  # as a signal arriving here would
+            if strategy.should_stop():
+                stopped = step
+                break
+        # through mpidist, so that ranks stopped at different steps fail with an error instead of waiting
+        steps = strategy.gather(np.array([-1 if stopped is None else stopped]))
+        assert steps.tolist() == [3 if n == 1 else 4] * n  # a rank alone needs nobody: it stops at once
+    finally:
+        strategy.free()
+
+
+@pytest.mark.mpi
 def test_stop_with_checks_off_is_seen_within_check_every_calls():
     strategy = md.MPIStrategy(device="cpu", check_collectives=False, timeout=None, check_finite=False)
     try:
