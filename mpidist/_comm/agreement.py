@@ -91,9 +91,8 @@ _BAD, _NONFINITE, _LEAVING, _LEFT1, _LEFT2, _STOP, _FAULT, _TIME1, _TIME2, _WIRE
 _HASH = _SEQ + 2  # _SEQ, _SEQ + 1: the stamp s and s**2; then h_k, h_k**2 for k < _K
 _SIZE = _HASH + 2 * _K
 _CLEAR = (0.0, 0.0, 0.0)
-_NOTHING = [0.0] * (_SEQ - _BAD)  # every flag and reserved slot clear
 # The per-collective path spells the offsets of the tail (the record from _BAD on) as literals: check them here.
-assert (_SEQ - _BAD, _HASH - _BAD) == (11, 13), "update the literal tail offsets in Agreement.agree_array/_verify"
+assert (_SEQ, _SEQ - _BAD, _HASH - _BAD) == (43, 11, 13), "update the literal offsets in Agreement.agree_array/_verify"
 _STEP_STRIDE = 1 << 12  # the stamp is (sequence number + input steps * this) modulo 2**bits
 
 
@@ -360,7 +359,9 @@ class Agreement:
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        self._options = transport.options
+        o = transport.options
+        # whether collectives are agreed (check_collectives, check_finite, or a timeout to honour); options are frozen
+        self.enabled: bool = o.check_collectives or o.timeout is not None or o.check_finite
         n = transport.size
         self._bits = word_bits(n)
         self._mask = (1 << self._bits) - 1
@@ -368,6 +369,12 @@ class Agreement:
         self._mine: tuple[float, ...] = ()  # the hash words last written
         self._send = np.zeros(_SIZE)
         self._recv = np.zeros(_SIZE)
+        self._tail = self._recv[_BAD:]  # what the verdict reads: flags, stamp, hash words
+        # the tail of the summed record when every rank agrees on the call last written: flags and reserved
+        # slots 0, the stamp's sums (set per call), the hash words' sums (set with _mine); the per-collective
+        # path compares it with the summed tail as two memoryviews (one C comparison of 19 doubles)
+        self._agreed_tail = np.zeros(_SIZE - _BAD)
+        self._agreed_words, self._tail_words = self._agreed_tail.data, self._tail.data
         self.request: MPI.Prequest = transport.call(
             "agreement setup", transport.comm.Allreduce_init, self._send, self._recv, MPI.SUM
         )
@@ -377,19 +384,25 @@ class Agreement:
         self._plans: dict[tuple, _Plan] = {}
         self.stop_requested = False  # this rank asks for a coordinated stop (carried in the next record)
         self.stop_agreed = False  # some rank asked; every rank learns it at the same collective
-        # steps drawn from mpidist's input iterators over this communicator: part of every call's stamp
-        self.input_steps = 0
+        self._steps_term = 0  # the input steps' part of the stamp: input_steps * _STEP_STRIDE
         _live.append(self)
+
+    @property
+    def input_steps(self) -> int:
+        """Steps drawn from mpidist's input iterators over this communicator: part of every call's stamp."""
+        return self._steps_term // _STEP_STRIDE
+
+    @input_steps.setter
+    def input_steps(self, steps: int) -> None:
+        self._steps_term = steps * _STEP_STRIDE
+
+    def count_input_step(self) -> None:
+        """Local: one more step drawn from an input iterator over this communicator."""
+        self._steps_term += _STEP_STRIDE
 
     def _stamp(self) -> float:
         """Local: what every rank's record carries in ``_SEQ``: the collective's number and the input steps drawn."""
-        return float((self.transport.seq + self.input_steps * _STEP_STRIDE) & self._mask)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether collectives are agreed (``check_collectives``, ``check_finite``, or a timeout to honour)."""
-        o = self._options
-        return o.check_collectives or o.timeout is not None or o.check_finite
+        return float((self.transport.seq + self._steps_term) & self._mask)
 
     def free(self) -> None:
         """Collective: complete what is pending and release the persistent request."""
@@ -449,25 +462,27 @@ class Agreement:
         t = self.transport
         if t.broken is not None:
             raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
-        t.seq += 1
+        t.seq = seq = t.seq + 1
         if carry:
             into[...] = array
         if self._carried > carry:
             self._send[carry : self._carried] = 0.0
         self._carried = carry
-        send = self._send
+        agreed = self._agreed_tail
         if mine is not self._mine:
-            send[_HASH:] = self._mine = mine
-        s = float((t.seq + self.input_steps * _STEP_STRIDE) & self._mask)
-        send[_SEQ] = s
-        send[_SEQ + 1] = s * s
+            self._send[_HASH:] = self._mine = mine
+            agreed[13:] = expected
+        s = float((seq + self._steps_term) & self._mask)
+        send = self._send
+        send[43] = s  # _SEQ, spelled out on this path
+        send[44] = s2 = s * s
+        n = t.size
+        agreed[11] = n * s
+        agreed[12] = n * s2
         request = self.request
         request.Start()
-        if not request.Test():
-            t.poll(request, call)
-        tail = self._recv[_BAD:].tolist()
-        n = t.size
-        if tail[11] == n * s and tail[12] == n * s * s and tail[13:] == expected and tail[:11] == _NOTHING:
+        t.poll(request, call)  # its first step is a test
+        if self._tail_words == self._agreed_words:
             return out
         self._verify(call, None, carry, expected)
         return out
@@ -550,6 +565,7 @@ class Agreement:
         mine, expected = self._identity(call, carry)
         if mine is not self._mine:
             send[_HASH:] = self._mine = mine
+            self._agreed_tail[13:] = expected
         s = self._stamp()
         send[_SEQ] = s
         send[_SEQ + 1] = s * s
@@ -608,7 +624,7 @@ class Agreement:
     ) -> Optional[np.ndarray]:
         """Local: the verdict on the summed records, the same on every rank; the carried sums when agreed."""
         t = self.transport
-        tail = self._recv[_BAD:].tolist()
+        tail = self._tail.tolist()
         n, s = t.size, self._stamp()
         if tail[13:] == expected and tail[11] == n * s and tail[12] == n * s * s and not any(tail[:11]):
             return self._recv[:carry] if carry else None  # the common case

@@ -291,7 +291,7 @@ class Communicator:
         repeated a step raises :class:`~mpidist.CollectiveMismatchError` on
         every rank in the step's first collective.
         """
-        self._agreement.input_steps += 1
+        self._agreement.count_input_step()
 
     def split_counts(self, n: int) -> list[int]:
         """Local: ``n`` items split as evenly as possible over the ranks, lower ranks first."""
@@ -455,7 +455,10 @@ class Communicator:
                 carried = agreement.agree(Call(Kind.ALLREDUCE, name), error)
             if carried is None:
                 return self._reduce_data(array, target, op, name, blocking)
-            self._store(carried, target, op, name)
+            if op is ReduceOp.SUM and target.dtype.char == "d":  # _store's common case, one call less
+                target[...] = carried
+            else:
+                self._store(carried, target, op, name)
             return target
 
         def then(carried: Optional[np.ndarray]) -> Any:
@@ -476,11 +479,10 @@ class Communicator:
     def _store(self, carried: np.ndarray, target: Array, op: ReduceOp, name: str) -> None:
         """Local: the sums carried by the agreement record (shaped like ``target``) into ``target``."""
         char = target.dtype.char
-        if self._checked(op, target):
-            target[...] = overflow.narrow(carried, target.dtype, name, self.rank).reshape(target.shape)
-            return
-        if char == "d" and op is ReduceOp.SUM:
+        if char == "d" and op is ReduceOp.SUM:  # the common case first (floats are never overflow-checked)
             target[...] = carried
+        elif self._checked(op, target):
+            target[...] = overflow.narrow(carried, target.dtype, name, self.rank).reshape(target.shape)
         elif char in "bhiBHI":
             target[...] = carried.astype(np.int64)  # float64 sums of integers are exact; wrap like MPI
         elif char == "?":

@@ -78,6 +78,15 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
+def _paired(entry: dict[str, Any], name: str, base: str) -> str:
+    """The ratio ``name / base`` round by round (the samples are interleaved): median (min-max) over the rounds."""
+    a, b = entry.get(name, {}).get("samples_s"), entry.get(base, {}).get("samples_s")
+    if not a or not b or len(a) != len(b) or not all(b):
+        return "-"
+    ratios = sorted(x / y for x, y in zip(a, b))
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}, {len(ratios)} rounds)"
+
+
 def _busbw(nbytes: int, seconds: float, ranks: int) -> float:
     """Bus bandwidth in GB/s: ``2 (n - 1) / n`` bytes moved per byte reduced (algorithm bandwidth at n = 1)."""
     factor = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
@@ -304,12 +313,13 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         if e:
             out += _table(
                 title,
-                ["variant", "time", "vs every check off", f"vs {base}"],
+                ["variant", "time", "vs every check off", "vs every check off, round by round", f"vs {base}"],
                 (
                     [
                         labels.get(name, name),
                         _t(median(e, name)),
                         _ratio(median(e, name), median(e, "all_off")),
+                        _paired(e, name, "all_off"),
                         _ratio(median(e, name), median(e, base)),
                     ]
                     for name in e
