@@ -440,9 +440,9 @@ class Communicator:
                 raise error
             if blocking and self._one_call(target) and not self._checked(op, array):
                 # the common small host case: one piece, nothing to synchronise or stage (the per-update latency path)
-                self._choose(target.nbytes).reduce(
-                    "allreduce", None if target is array else array, target, self._transport.mpi_op(op, array.dtype)
-                )
+                if target is not array:
+                    target[...] = array  # reduced in place: the output form never changes the MPI calls
+                self._choose(target.nbytes).reduce("allreduce", target, self._transport.mpi_op(op, array.dtype))
                 if op is ReduceOp.MEAN:
                     divide_in_place(target, self.size)
                 return target
@@ -503,16 +503,14 @@ class Communicator:
         if check and self._checked(op, array):  # reduce the 64-bit form, then write only sums that fit
             target[...] = self._checked_sum(array, name).reshape(target.shape)
             return target if blocking else ([], lambda: target)
-        if target is not array and self.backend.needs_staging(array, self.cuda_aware):
-            target[...] = array  # reduce a device copy in place: staging then needs one buffer
-        send = None if target is array or self.backend.needs_staging(array, self.cuda_aware) else array
+        if target is not array:  # reduced in place: the output form never changes the MPI calls
+            target[...] = array  # before to_mpi, which synchronises a device array's stream
         recv = self.backend.to_mpi(target, self.cuda_aware, reuse=blocking)
         mpi_op = self._transport.mpi_op(op, array.dtype)
-        flat_send = None if send is None else send.reshape(-1)
         flat_recv, flat_target = recv.reshape(-1), target.reshape(-1)
         reduction = self._choose(target.nbytes)
         ranges = reduction.pieces(target)
-        pieces = [(None if flat_send is None else flat_send[lo:hi], flat_recv[lo:hi]) for lo, hi in ranges]
+        pieces = [flat_recv[lo:hi] for lo, hi in ranges]
         what = f"allreduce of {name!r}"
         staged = recv is not target
 
@@ -525,8 +523,8 @@ class Communicator:
         if not blocking:
             requests, complete = reduction.start(what, pieces, mpi_op)
             return requests, lambda: (complete(), finish())[1]
-        for (sbuf, rbuf), (lo, hi) in zip(pieces, ranges):
-            reduction.reduce(what, sbuf, rbuf, mpi_op)
+        for piece, (lo, hi) in zip(pieces, ranges):
+            reduction.reduce(what, piece, mpi_op)
             if op is ReduceOp.MEAN and not staged:
                 divide_in_place(flat_target[lo:hi], self.size)  # while the piece is in cache
         return finish()

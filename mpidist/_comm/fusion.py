@@ -306,7 +306,7 @@ class Fusion:
                 host = self._backend.to_mpi(out, self._cuda_aware, reuse=False)
                 reduction = self._choose(host.nbytes)
                 started, complete = reduction.start(
-                    what, [(None, host[lo:hi]) for lo, hi in reduction.pieces(host)], t.mpi_op(op, out.dtype)
+                    what, [host[lo:hi] for lo, hi in reduction.pieces(host)], t.mpi_op(op, out.dtype)
                 )
                 requests += started
 
@@ -423,14 +423,13 @@ class Fusion:
                 backend.from_mpi(buf, host)
             return source
         mpi_op = t.mpi_op(op, buf.dtype)
+        if send is not None:  # reduced in place: the output form never changes the MPI calls
+            buf[...] = send  # before to_mpi, which synchronises a device array's stream
         if not is_device_array(buf):
-            self._choose(buf.nbytes).reduce(what, send, buf, mpi_op)
+            self._choose(buf.nbytes).reduce(what, buf, mpi_op)
         else:
-            if send is not None and backend.needs_staging(buf, self._cuda_aware):
-                buf[...] = send  # stage one buffer, reduced in place
-                send = None
             host = backend.to_mpi(buf, self._cuda_aware)
-            self._choose(buf.nbytes).reduce(what, send, host, mpi_op)
+            self._choose(buf.nbytes).reduce(what, host, mpi_op)
             backend.from_mpi(buf, host)
         if op is ReduceOp.MEAN:
             divide_in_place(buf, t.size)

@@ -11,11 +11,13 @@ the one hook an algorithm overrides:
   the local step that completes them once the requests did (it makes no MPI
   call).
 
-The output form never changes the MPI calls: MPI requires ``MPI_IN_PLACE``
-on every rank of a reduction or on none, and whether a caller passes a
-separate input (a new array, ``out=``) or reduces in place is its own choice
-on each rank. So the template copies a separate input into the output
-buffer, locally, and the algorithms always reduce in place.
+Every reduction is in place: the output form never changes the MPI calls.
+MPI requires ``MPI_IN_PLACE`` on every rank of a reduction or on none, and
+whether a program passes a separate input (a new array, ``out=``) or reduces
+in place is its own choice on each rank. So the callers copy a separate input
+into the output first (on a device before
+:meth:`~mpidist._comm.backend.Backend.to_mpi`, which synchronises its stream)
+and hand the output over.
 
 A piece is a cache-sized slice of one array reduced by its own MPI call
 (``options.piece_bytes``, :meth:`Reduction.pieces`). A wire encoding (such as
@@ -27,7 +29,7 @@ call with :meth:`~mpidist._comm.algorithms.Algorithms.choose`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable
 
 from mpi4py import MPI
 
@@ -36,9 +38,8 @@ from mpidist._comm.transport import Transport
 if TYPE_CHECKING:
     from mpidist._typing import Array
 
-__all__ = ["Completion", "Piece", "Reduction", "nothing"]
+__all__ = ["Completion", "Reduction", "nothing"]
 
-Piece = tuple[Optional["Array"], "Array"]  # (send, or None to reduce recv in place; recv): MPI-ready buffers
 Completion = Callable[[], None]
 
 
@@ -47,13 +48,11 @@ def nothing() -> None:
 
 
 class Reduction:
-    """A reduction algorithm over ``transport``: ``recv`` <- the elementwise reduction of every rank's ``send``.
+    """A reduction algorithm over ``transport``: each buffer <- the elementwise reduction of every rank's, in place.
 
     Local construction unless a subclass says otherwise; :meth:`free` releases
     what the algorithm holds (collective). Buffers are MPI-ready (host
-    memory, or device memory with CUDA-aware MPI); ``send`` ``None`` reduces
-    ``recv`` in place, and a ``send`` is copied into ``recv`` first, so that
-    every rank makes the same in-place MPI calls whatever form it chose.
+    memory, or device memory with CUDA-aware MPI, its stream synchronised).
     """
 
     def __init__(self, transport: Transport) -> None:
@@ -69,27 +68,22 @@ class Reduction:
         step = max(1, self.piece_bytes // max(1, array.itemsize))
         return [(lo, min(lo + step, array.size)) for lo in range(0, array.size, step)]
 
-    def reduce(self, what: str, send: Optional[Array], recv: Array, mpi_op: MPI.Op) -> None:
-        """Collective: ``recv`` <- the reduction of every rank's ``send`` (of ``recv`` itself if ``None``)."""
-        if send is not None:
-            recv[...] = send
+    def reduce(self, what: str, buffer: Array, mpi_op: MPI.Op) -> None:
+        """Collective: ``buffer`` <- the reduction of every rank's ``buffer``, in place."""
         if self.size > 1:
-            self.reduce_implementation(what, recv, mpi_op)
+            self.reduce_implementation(what, buffer, mpi_op)
 
-    def start(self, what: str, pieces: Sequence[Piece], mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
-        """Collective, nonblocking: start reducing each ``(send or None, recv)`` piece.
+    def start(self, what: str, buffers: Sequence[Array], mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
+        """Collective, nonblocking: start reducing each of ``buffers`` (the pieces of a reduction) in place.
 
         Returns the requests and the step to run once they completed, which
         is local: completing a nonblocking collective makes no further MPI
         call, so that handles may complete in any order, and at ``free()`` or
         exit.
         """
-        for send, recv in pieces:
-            if send is not None:
-                recv[...] = send
         if self.size == 1:
             return [], nothing
-        return self.start_implementation(what, [recv for _, recv in pieces], mpi_op)
+        return self.start_implementation(what, buffers, mpi_op)
 
     # -- what an algorithm overrides ---------------------------------------------------------
     def reduce_implementation(self, what: str, buffer: Array, mpi_op: MPI.Op) -> None:
