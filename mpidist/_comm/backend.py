@@ -1,20 +1,25 @@
 """Where a rank's arrays live: NumPy on the host or CuPy on one GPU.
 
 This is the only module that knows about GPUs. It chooses the array module,
-binds a rank to one GPU by its node-local rank, synchronises the producing CUDA
-stream before MPI reads a device buffer, and stages device buffers through
-pinned host memory when MPI is not CUDA-aware. Nothing here communicates, and
-nothing is probed at import time: CuPy is imported the first time a GPU
-backend is asked for.
+binds a rank to one GPU by its node-local rank, converts other libraries'
+arrays (torch, JAX, array-API libraries: DLPack or ``__array__``) into NumPy or
+CuPy views of the same memory, synchronises the producing CUDA stream before
+MPI reads a device buffer, and stages device buffers through pinned host memory
+when MPI is not CUDA-aware. Nothing here communicates, and nothing is probed at
+import time: CuPy is imported the first time a GPU backend (or an array in GPU
+memory) is asked for.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+
+from mpidist._errors import on_rank
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike, DTypeLike
@@ -25,6 +30,7 @@ __all__ = [
     "Backend",
     "DeviceStager",
     "array_module",
+    "as_array",
     "contiguous",
     "cupy_or_none",
     "cupy_version",
@@ -71,6 +77,65 @@ def is_device_array(array: Any) -> bool:
     return hasattr(array, "__cuda_array_interface__")
 
 
+def as_array(value: Any, what: str = "value", rank: Optional[int] = None) -> Any:
+    """Local: another library's array as a NumPy or CuPy array of the same memory; anything else as it is.
+
+    - NumPy and CuPy arrays, NumPy scalars, Python numbers and lists, and objects with neither
+      protocol below are returned as they are (callers convert numbers and lists, or refuse them).
+    - An object with ``__dlpack__`` (torch, JAX, array-API libraries, ...) becomes a view without a
+      copy: ``numpy.from_dlpack`` for host memory, ``cupy.from_dlpack`` for GPU memory (which
+      hands the current CUDA stream to the exporter). Writing into the view writes into
+      ``value``. A host array whose library refuses the export (a dtype DLPack lacks, a tensor
+      that requires grad) is read through its ``__array__`` when it has one.
+    - An object with only ``__array__`` becomes ``numpy.asarray(value)`` (a view where the
+      library gives one).
+
+    What the other library raises is raised as it is (callers route it into the agreement, as
+    any failure of a rank's argument). An array in GPU memory without CuPy is a ``TypeError``
+    naming ``what`` and ``rank``.
+    """
+    kind = type(value)
+    if kind is np.ndarray or not (hasattr(kind, "__dlpack__") or hasattr(kind, "__array__")):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)) or _is_cupy_array(value):
+        return value
+    if not hasattr(kind, "__dlpack__"):
+        return np.asarray(value)
+    exporter = getattr(value, "__dlpack_device__", None)
+    device = 1 if exporter is None else exporter()[0]  # without a device: the host (kDLCPU)
+    if device in _DEVICE_KINDS:
+        return _cupy_for(value, device, what, rank).from_dlpack(value)
+    try:
+        return np.from_dlpack(value)
+    except Exception:  # the library refuses DLPack (BufferError, RuntimeError, ...): its __array__, if any
+        if not hasattr(kind, "__array__"):
+            raise
+        return np.asarray(value)
+
+
+def _is_cupy_array(value: Any) -> bool:
+    """Whether ``value`` is a CuPy array (without importing CuPy: none exists before it is imported)."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
+
+
+def _cupy_for(value: Any, device: int, what: str, rank: Optional[int]) -> ModuleType:
+    """CuPy, to import ``value`` (``what`` in messages) from GPU memory (DLPack device type ``device``)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        kind = type(value)
+        raise TypeError(
+            on_rank(
+                rank,
+                f"{what}: the {kind.__module__}.{kind.__qualname__} lies in GPU memory (DLPack device type "
+                f"{device}), which needs CuPy (pip install 'mpidist[cuda12]' or 'mpidist[cuda13]'); "
+                "or copy it to the host first",
+            )
+        ) from exc
+    return cupy
+
+
 def device_into_host(source: Any, target: Any) -> bool:
     """Whether ``source`` is a device array and ``target`` a host one, a pair no reduction takes.
 
@@ -83,8 +148,10 @@ def device_into_host(source: Any, target: Any) -> bool:
 
 def data_pointer(array: Array) -> int:
     """The address of ``array``'s first element, in host or device memory."""
-    raw: Any = array  # CuPy's .data and NumPy's __array_interface__ are not members of Array
-    if is_device_array(array):
+    # CuPy's .data and NumPy's __array_interface__ are not members of Array. Another library's
+    # array is read through its NumPy or CuPy view (the same memory), never through its own .data
+    raw: Any = array if array.__class__ is np.ndarray else as_array(array)
+    if is_device_array(raw):
         return int(raw.data.ptr)
     return int(raw.__array_interface__["data"][0])
 
@@ -92,8 +159,10 @@ def data_pointer(array: Array) -> int:
 def to_host(array: Any) -> np.ndarray:
     """A host NumPy array with ``array``'s data (a copy for device arrays, else a view).
 
-    ``array`` is anything: a device array, or whatever ``numpy.asarray`` takes (user values too).
+    ``array`` is anything: a device array, another library's array (:func:`as_array`), or
+    whatever ``numpy.asarray`` takes (user values too).
     """
+    array = as_array(array)
     if is_device_array(array):
         return array.get()
     return np.asarray(array)
@@ -176,9 +245,27 @@ class Backend:
         }
 
     # -- arrays -----------------------------------------------------------------
-    def asarray(self, value: Any, dtype: Optional[DTypeLike] = None) -> Any:
-        """``value`` as an array of this backend (copies across host/device only)."""
-        return self.xp.asarray(value, dtype=dtype)
+    def asarray(
+        self, value: Any, dtype: Optional[DTypeLike] = None, what: str = "value", rank: Optional[int] = None
+    ) -> Any:
+        """``value`` as an array of this backend (copies across host/device only).
+
+        Other libraries' arrays are read through :func:`as_array` (without a copy where they
+        share this backend's memory); ``what`` and ``rank`` name the value in its errors.
+        """
+        return self.xp.asarray(as_array(value, what, rank), dtype=dtype)
+
+    def array(
+        self, value: Any, dtype: Optional[DTypeLike] = None, what: str = "value", rank: Optional[int] = None
+    ) -> Any:
+        """A new C-contiguous array of this backend with ``value``'s data: always a copy.
+
+        ``value`` is an array of any library (:func:`as_array`; ``what`` and ``rank`` name it
+        in its errors), a number or a (nested) list; a device array's data is copied to the
+        host for a NumPy backend.
+        """
+        source = as_array(value, what, rank)
+        return self.xp.array(source if self.is_gpu else to_host(source), dtype=dtype, order="C", copy=True)
 
     # -- handing buffers to MPI -------------------------------------------------
     @staticmethod

@@ -31,7 +31,7 @@ from mpidist._comm import overflow
 from mpidist._comm.abort import install_exit_hook
 from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
-from mpidist._comm.backend import Backend, array_module, is_device_array
+from mpidist._comm.backend import Backend, array_module, as_array, is_device_array
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.fusion import Fusion, UpdateFn
 from mpidist._comm.handle import Handle
@@ -62,6 +62,12 @@ class Communicator:
     Call :meth:`free` (or use it as a context manager) to release it; it is
     never freed from ``__del__``, because garbage collection runs in a
     different order on each rank.
+
+    Array arguments (and ``out=``) are NumPy or CuPy arrays, or other
+    libraries' arrays (torch, JAX, ...: ``__dlpack__`` or ``__array__``), which
+    are used as NumPy or CuPy views of their memory: what a collective writes in
+    place or into ``out=`` lands in the caller's object, and the array it
+    returns is such a view. Numbers and lists are refused.
 
     Args:
         comm: the mpi4py communicator to duplicate (default ``MPI.COMM_WORLD``).
@@ -271,7 +277,8 @@ class Communicator:
 
         ``counts[r]`` rows go to rank ``r``; by default rows are split as evenly
         as possible (the first ``len % size`` ranks get one more). Every rank
-        passes the same shape. Returns this rank's block as a new array.
+        passes the same shape, of at least one dimension (a 0-d array is a
+        ``ValueError``, on every rank). Returns this rank's block as a new array.
         """
         return self._reduce_scatter(array, op, counts, name)
 
@@ -370,7 +377,11 @@ class Communicator:
         arrays larger than ``options.fusion_bytes`` are reduced straight into
         their ``out`` array; ``out=arrays`` reduces the inputs in place.
         """
-        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), _names(names, len(arrays)), out)
+        names = _names(names, len(arrays))
+        arrays = self._as_arrays(arrays, names, "allreduce_many")
+        if out is not None:
+            out = self._as_arrays(out, [f"out[{i}]" for i in range(len(out))], "allreduce_many")
+        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), names, out)
 
     def iallreduce_many(
         self,
@@ -383,7 +394,9 @@ class Communicator:
 
         The inputs are copied when the call starts, so they may change afterwards.
         """
-        return self._fusion.iallreduce_many(arrays, ReduceOp.of(op), _names(names, len(arrays)), then)
+        names = _names(names, len(arrays))
+        arrays = self._as_arrays(arrays, names, "iallreduce_many")
+        return self._fusion.iallreduce_many(arrays, ReduceOp.of(op), names, then)
 
     # -- small byte payloads (metadata, error reports) -------------------------------
     def allgather_bytes(self, data: bytes, *, name: str = "bytes") -> list[bytes]:
@@ -418,12 +431,43 @@ class Communicator:
         except ValueError as exc:
             return None, ValueError(on_rank(self.rank, str(exc)))
 
+    def _converted(
+        self, array: Any, out: Any, name: str, error: Optional[Exception]
+    ) -> tuple[Any, Any, Optional[Exception]]:
+        """Local: ``array`` and ``out`` (``None``: none) as NumPy or CuPy arrays where they are other libraries'
+        arrays (:func:`~mpidist._comm.backend.as_array`: views of the same memory, so what a collective writes
+        into them reaches the caller's objects); and ``error``, or the conversion's error when it is the first,
+        which the agreement then raises as any bad argument."""
+        try:
+            array = as_array(array, repr(name), self.rank)
+            if out is not None:
+                out = as_array(out, f"out= of {name!r}", self.rank)
+        except Exception as exc:  # whatever the other library raises: this rank's error, agreed
+            error = error or exc
+        return array, out, error
+
+    def _as_arrays(self, arrays: Sequence[Any], names: Sequence[str], what: str) -> Sequence[Any]:
+        """Local (collective only when one cannot be converted): ``arrays`` as NumPy or CuPy arrays, as
+        :meth:`_converted` converts them; a conversion that fails is raised on this rank in the collective
+        the others entered (:meth:`fail`)."""
+        for a in arrays:
+            if a.__class__ is not np.ndarray:
+                break
+        else:
+            return arrays
+        try:
+            return [as_array(a, repr(n), self.rank) for a, n in zip(arrays, names)]
+        except Exception as exc:  # whatever the other library raises: this rank's error, agreed
+            self.fail(exc, what)
+
     def _allreduce(self, array: Array, op: Any, out: Optional[Array], inplace: bool, name: str, blocking: bool) -> Any:
         # op: a ReduceOp or its name (Any: the per-collective path converts it in place, telling the
         # two apart by op.__class__, which the type checker does not narrow on)
         error = None
         if op.__class__ is not ReduceOp:
             op, error = self._op(op)
+        if array.__class__ is not np.ndarray or out is not None:
+            array, out, error = self._converted(array, out, name, error)
         error = error or validate(array, op, name, self.rank, writable=inplace)
         if error is None and out is not None:
             error = (
@@ -560,6 +604,8 @@ class Communicator:
                 )
             )
             root = 0
+        if array.__class__ is not np.ndarray:
+            array, _, error = self._converted(array, None, name, error)
         error = error or validate(array, None, name, self.rank, writable=True)
         call = Call(Kind.BROADCAST, name, None, *_layout(array, error), root=int(root))
         what = f"broadcast of {name!r}"
@@ -581,7 +627,8 @@ class Communicator:
         return self._agreed(call, error, then, blocking, keep=(array,))
 
     def _allgather(self, array: Array, name: str, blocking: bool, out: Optional[Array] = None) -> Any:
-        error = validate(array, None, name, self.rank)
+        array, out, error = self._converted(array, out, name, None)
+        error = error or validate(array, None, name, self.rank)
         if error is None and out is not None:
             error = _gather_out_error(array, out, name, self.rank)
         call = Call(Kind.ALLGATHER, name, None, *_layout(array, error))
@@ -621,8 +668,17 @@ class Communicator:
         self, array: Array, requested: Union[ReduceOp, str], counts: Optional[Sequence[int]], name: str
     ) -> Any:
         op, error = self._op(requested)
+        array, _, error = self._converted(array, None, name, error)
         error = error or validate(array, op, name, self.rank)
-        rows = (array.shape[0] if array.ndim else 1) if error is None else 0
+        if error is None and array.ndim == 0:
+            error = ValueError(
+                on_rank(
+                    self.rank,
+                    f"reduce_scatter of {name!r}: a 0-d array (shape ()) has no axis 0 to split over the ranks; "
+                    "pass an array of at least one dimension (for example array.reshape(1))",
+                )
+            )
+        rows = array.shape[0] if error is None else 0
         split: list[int] = []
         if error is None:
             given: Optional[list[int]]
@@ -646,7 +702,7 @@ class Communicator:
 
         def then(_: Optional[np.ndarray]) -> Any:
             assert op is not None  # then runs only once every rank's arguments were valid
-            row = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
+            row = int(np.prod(array.shape[1:], dtype=np.int64))
             if self._checked(op, array):  # the whole exact sum, then this rank's block of it
                 start = sum(split[: self.rank]) * row
                 block = self._checked_sum(array, name)[start : start + split[self.rank] * row]

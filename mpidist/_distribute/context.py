@@ -6,9 +6,10 @@ other ranks' data are collective calls that every rank makes in the same
 order. *Replica context* is code inside ``strategy.run(fn)``: ``fn`` sees
 this rank's components as plain arrays.
 
-The context stack is per thread. Nothing here communicates by itself;
-:meth:`ReplicaContext.merge_call` and :meth:`ReplicaContext.all_reduce` are
-collective because what they run is.
+The context stack is per thread; a scope may be entered again and nested
+in itself, never inside another strategy's scope. Nothing here communicates by
+itself; :meth:`ReplicaContext.merge_call`, :meth:`ReplicaContext.all_reduce`
+and :meth:`ReplicaContext.all_gather` are collective because what they run is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from mpidist._comm.reduce_op import ReduceOp
+from mpidist._errors import on_rank
 from mpidist._values import values
 
 if TYPE_CHECKING:  # imported for type hints only: the strategy layer sits above this one
@@ -46,28 +48,60 @@ def _top() -> Optional[_Frame]:
     return _stack.frames[-1] if _stack.frames else None
 
 
+def _mixing_error(strategy: MPIStrategy, active: MPIStrategy, what: str) -> RuntimeError:
+    """The error of ``what`` (a method of ``strategy``) called inside the scope of another strategy, ``active``."""
+    return RuntimeError(
+        on_rank(
+            strategy.rank,
+            f"{what} (of {strategy!r}) was called inside the scope of another strategy, {active!r}; "
+            "strategies do not mix (one strategy at a time per thread): leave the other strategy's scope first",
+        )
+    )
+
+
 class enter_context:
     """Context manager: push a cross-replica (``replica=None``) or replica frame for ``strategy``. Local.
 
-    A class rather than a generator: it runs on every ``strategy.run`` and variable update.
+    The object may be entered again, also while it is active (each entry
+    pushes a frame, each exit pops one): what ``strategy.scope()`` returns.
+    Entering it inside the scope of another strategy raises ``RuntimeError``
+    naming both. A class rather than a generator: it runs on every
+    ``strategy.run``.
     """
 
-    __slots__ = ("_frame",)
+    __slots__ = ("_frame", "_what")
 
-    def __init__(self, strategy: MPIStrategy, replica: Optional[ReplicaContext] = None) -> None:
+    def __init__(self, strategy: MPIStrategy, replica: Optional[ReplicaContext] = None, what: str = "scope()") -> None:
+        self._frame = _Frame(strategy, replica)
+        self._what = what
+
+    def __enter__(self) -> MPIStrategy:
+        strategy = self._frame.strategy
         top = _top()
         if top is not None and top.strategy is not strategy:
-            raise RuntimeError(
-                f"cannot enter {strategy!r} inside the scope of another strategy, {top.strategy!r}; "
-                "leave the other strategy's scope first (mpidist uses one strategy at a time per thread)"
-            )
-        self._frame = _Frame(strategy, replica)
-
-    def __enter__(self) -> None:
+            raise _mixing_error(strategy, top.strategy, self._what)
         _stack.frames.append(self._frame)
+        return strategy
 
     def __exit__(self, *exc: object) -> None:
         _stack.frames.pop()
+
+
+def checked_replica_context(
+    strategy: MPIStrategy, what: str, variable: Optional[str] = None
+) -> Optional[ReplicaContext]:
+    """Local: the current replica context (``None`` in cross-replica context and outside any scope).
+
+    Raises ``RuntimeError`` naming both strategies when the active scope (or
+    ``run``) is another strategy's: ``what`` (a method of ``strategy``, or
+    of its variable named ``variable``) must not run there, as in TensorFlow.
+    """
+    top = _top()
+    if top is None:
+        return None
+    if top.strategy is not strategy:
+        raise _mixing_error(strategy, top.strategy, what if variable is None else f"{what} of variable {variable!r}")
+    return top.replica
 
 
 def get_strategy() -> Optional[MPIStrategy]:
@@ -147,3 +181,14 @@ class ReplicaContext:
         receives the result without allocating, as in ``strategy.reduce``.
         """
         return self.strategy.extended.reduce(reduce_op, value, out=out)
+
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
+        """Collective: every replica's ``value`` (a nest of arrays) concatenated along ``axis``, in replica order.
+
+        What ``strategy.gather`` does, from replica context: each leaf of the
+        nest is gathered on its own; leaves may differ in length along
+        ``axis`` between replicas (the other dimensions must agree); a 0-d
+        leaf gives one element per replica. Every replica gets the whole
+        result, a nest of plain arrays of the nest's structure.
+        """
+        return self.strategy.extended.gather(value, axis)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
-from mpidist._comm.backend import array_module, contiguous
+from mpidist._comm.backend import array_module, as_array, contiguous
 from mpidist._comm.communicator import Communicator, Handle
 from mpidist._comm.flat_store import FlatStore
 from mpidist._comm.reduce_op import ReduceOp
@@ -81,13 +81,14 @@ class StrategyExtended:
 
     # -- components -----------------------------------------------------------------------
     def local(self, value: Any) -> Array:
-        """Local: this rank's component of ``value`` (a distributed value, an array, a number, ...) as an
-        array of the backend's module."""
+        """Local: this rank's component of ``value`` (a distributed value, an array, a number, ...) as a NumPy or
+        CuPy array: another library's array as a view of its memory, numbers and lists in the backend's module."""
         if isinstance(value, DistributedValues):
             value = value.get(self._comm.rank)
+        value = as_array(value, "value", self._comm.rank)
         if hasattr(value, "dtype") and hasattr(value, "shape"):
             return value
-        return self._comm.backend.asarray(value)
+        return self._comm.backend.asarray(value)  # a number or a list: as_array left it as it is
 
     def place(self, component: Array) -> Array:
         """Local: where a new mirrored variable keeps ``component`` (a view of flat storage with ``flat_variables``)."""
@@ -207,6 +208,43 @@ class StrategyExtended:
             then=lambda results: pack_sequence_as(value, results),
         )
 
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Collective: each leaf of ``value`` (a nest) concatenated over the replicas along ``axis``, in replica
+        order; see :meth:`MPIStrategy.gather`.
+
+        Leaves may differ in length along ``axis`` between replicas; a 0-d leaf
+        gives one element per replica. Every leaf is checked before any
+        collective (a problem on one rank is raised there and reported to the
+        others). Each leaf's name carries its path, its axis and, for a nest,
+        the number of leaves, so ranks whose nests differ disagree in the first
+        gather instead of pairing off.
+        """
+        rank = self._comm.rank
+        try:
+            leaves, paths = flatten(value), leaf_paths(value)
+            count = f" (of {len(leaves)})" if len(leaves) != 1 or paths[0] else ""
+            moved: list[Array] = []  # each leaf with its gathered axis first
+            axes: list[Optional[int]] = []  # None: a 0-d leaf, one element per replica
+            names: list[str] = []
+            for x, path in zip(leaves, paths):
+                local = self.local(x)
+                if local.ndim == 0:
+                    moved.append(local)
+                    axes.append(None)
+                    names.append(f"gather{path}{count}")
+                    continue
+                along = normalize_axis(axis, local.ndim, rank)  # part of the call's name: every rank alike
+                moved.append(contiguous(array_module(local).moveaxis(local, along, 0)))
+                axes.append(along)
+                names.append(f"gather(axis={along}){path}{count}")
+        except Exception as exc:  # any failure of this rank's argument is raised on every rank
+            self._comm.fail(exc, "gather")
+        results = []
+        for array, moved_axis, name in zip(moved, axes, names):
+            gathered = self._comm.allgather(array, name=name)
+            results.append(gathered if moved_axis is None else array_module(gathered).moveaxis(gathered, 0, moved_axis))
+        return pack_sequence_as(value, results)
+
     def aggregate(self, aggregation: VariableAggregation, value: Array, name: str) -> Any:
         """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array)."""
         local = self.local(value)
@@ -273,7 +311,7 @@ class StrategyExtended:
         ``ReplicaContext.merge_call``."""
         rank = self._comm.rank
         wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
-        with enter_context(self._strategy):
+        with enter_context(self._strategy, None, "merge_call"):
             result = merge_fn(self._strategy, *wrapped[0], **wrapped[1])
 
         def keep_variables(x: Any) -> Any:
@@ -316,5 +354,11 @@ def normalize_axis(axis: Any, ndim: int, rank: int) -> int:
 
 
 def is_array(x: Any) -> bool:
-    """NumPy/CuPy arrays (not distributed values): what ``merge_call`` wraps as ``PerReplica``."""
-    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, DistributedValues)
+    """Arrays of any library (not distributed values): what ``merge_call`` wraps as ``PerReplica``.
+
+    Objects with ``shape`` and ``dtype``, or with ``__dlpack__`` or ``__array__``.
+    """
+    if isinstance(x, DistributedValues):
+        return False
+    kind = type(x)
+    return (hasattr(x, "shape") and hasattr(x, "dtype")) or hasattr(kind, "__dlpack__") or hasattr(kind, "__array__")

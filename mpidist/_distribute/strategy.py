@@ -7,19 +7,20 @@ stack for replica / cross-replica code, and the variables' policies.
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
 from mpidist._comm.abort import install_abort_on_error
-from mpidist._comm.backend import Backend, array_module, contiguous
+from mpidist._comm.backend import Backend
 from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
-from mpidist._distribute.context import enter_context, get_replica_context
-from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array, normalize_axis
+from mpidist._distribute.context import checked_replica_context, enter_context
+from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
 from mpidist._distribute.mirrors import describe, diverged, fingerprint
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, require_aggregation
@@ -27,7 +28,7 @@ from mpidist._errors import MirrorDivergenceError, on_rank
 from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
 from mpidist._input.multistep import run_steps_on_dataset
 from mpidist._values.nest import flatten, is_number, map_structure
-from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica_mirrored
+from mpidist._values.values import DistributedValues, PerReplica, regroup, select_replica, select_replica_mirrored
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -63,6 +64,8 @@ class MPIStrategy:
             ``ValueError``.
     """
 
+    _created = itertools.count(1)  # numbers the strategies of this process, for messages that name two
+
     def __init__(self, comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
         # created first: an option or environment variable that fails on one rank raises on every rank,
         # and a rank that never arrives costs the others a timeout, not a wait in MPI_Comm_dup forever
@@ -72,6 +75,7 @@ class MPIStrategy:
         self.comm = duplicate_world() if comm is None else comm
         self._extended = StrategyExtended(self, self._communicator, self.options)
         self._stopper = Stopper(self._communicator)
+        self._number = next(MPIStrategy._created)
         if self.options.abort_on_error:
             install_abort_on_error()
 
@@ -102,7 +106,7 @@ class MPIStrategy:
         return self._extended
 
     def __repr__(self) -> str:
-        return f"<MPIStrategy rank {self.rank} of {self.num_replicas_in_sync}, {self.backend!r}>"
+        return f"<MPIStrategy #{self._number}: rank {self.rank} of {self.num_replicas_in_sync}, {self.backend!r}>"
 
     def free(self) -> None:
         """Collective: complete the nonblocking collectives still in flight, then release the communicators this
@@ -113,11 +117,14 @@ class MPIStrategy:
             self.comm.Free()
 
     # -- contexts ------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[MPIStrategy]:
-        """Context manager: cross-replica context of this strategy (variables are created here). Local."""
-        with enter_context(self):
-            yield self
+    def scope(self) -> AbstractContextManager[MPIStrategy]:
+        """Context manager: cross-replica context of this strategy (variables are created here). Local.
+
+        ``with strategy.scope() as s`` gives the strategy. The object may be
+        entered again, also nested in itself; inside the scope (or ``run``)
+        of another strategy it raises ``RuntimeError`` naming both.
+        """
+        return enter_context(self)
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         """Call ``fn`` in replica context on this rank.
@@ -130,15 +137,17 @@ class MPIStrategy:
         variable, any other object as it is. Collective only if ``fn``
         makes collective calls (``merge_call``, updates of mirrored variables).
         """
-        if get_replica_context() is not None:
-            raise RuntimeError("strategy.run was called inside strategy.run; call fn directly instead")
+        if checked_replica_context(self, "strategy.run") is not None:
+            raise RuntimeError(
+                on_rank(self.rank, "strategy.run was called inside strategy.run; call fn directly instead")
+            )
 
         def unwrap(x: Any) -> Any:
             return x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
 
         args = map_structure(unwrap, tuple(args)) if args else ()
         kwargs = map_structure(unwrap, dict(kwargs)) if kwargs else {}
-        with enter_context(self, self._extended.replica_context()):
+        with enter_context(self, self._extended.replica_context(), "strategy.run"):
             result = fn(*args, **kwargs)
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
 
@@ -161,6 +170,7 @@ class MPIStrategy:
         result instead of new arrays: the form that allocates nothing in
         steady state, for repeated reductions of the same layout.
         """
+        checked_replica_context(self, "strategy.reduce")
         return self._extended.reduce(reduce_op, value, axis, out)
 
     def reduce_async(self, reduce_op: AnyReduceOp, value: Any) -> Handle:
@@ -173,32 +183,33 @@ class MPIStrategy:
         (``handle.test()`` drives it); see the docs for what each MPI library
         does in the background.
         """
+        checked_replica_context(self, "strategy.reduce_async")
         return self._extended.reduce_async(reduce_op, value)
 
-    def gather(self, value: ArrayLike, axis: int = 0) -> Any:
+    def gather(self, value: Any, axis: int = 0) -> Any:
         """Collective: concatenate all replicas' components along ``axis``, in replica order.
 
+        ``value`` is a distributed value, an array or number, or a nest
+        (list, tuple, dict) of those, each leaf gathered on its own.
         Components may differ in length along ``axis``; the other dimensions
-        must agree. Every rank gets the whole result.
+        must agree; a 0-d component gives one element per replica. Every rank
+        gets the whole result: plain arrays in the nest's structure.
         """
-        try:
-            local = self._extended.local(value)
-            xp = array_module(local)
-            if local.ndim == 0:
-                return self._communicator.allgather(local, name="gather")
-            axis = normalize_axis(axis, local.ndim, self.rank)  # part of the call's name: every rank alike
-            moved = contiguous(xp.moveaxis(local, axis, 0))
-        except Exception as exc:  # any failure of this rank's argument is raised on every rank
-            self._communicator.fail(exc, "gather")
-        return xp.moveaxis(self._communicator.allgather(moved, name=f"gather(axis={axis})"), 0, axis)
+        checked_replica_context(self, "strategy.gather")
+        return self._extended.gather(value, axis)
 
     def broadcast(self, value: ArrayLike, root: int = 0) -> Any:
         """Collective: root's ``value`` (an array or number, the same shape on every rank) on every rank."""
-        array = self.backend.asarray(self._extended.local(value)).copy()
+        checked_replica_context(self, "strategy.broadcast")
+        try:
+            array = self.backend.asarray(self._extended.local(value)).copy()
+        except Exception as exc:  # a value that cannot be converted: raised on every rank
+            self._communicator.fail(exc, "broadcast")
         return self._communicator.broadcast(array, root=root, name="broadcast")
 
     def barrier(self) -> None:
         """Collective: wait until every rank has arrived (honours the timeout)."""
+        checked_replica_context(self, "strategy.barrier")
         self._communicator.barrier()
 
     # -- coordinated stop (preemption) -----------------------------------------------------
@@ -249,6 +260,7 @@ class MPIStrategy:
         rank ``global_batch_size / N`` rows per step. Every rank runs the same
         number of steps. Iterating is collective when the length is unknown.
         """
+        checked_replica_context(self, "strategy.distribute_dataset")
         return distribute_dataset(self, dataset, auto_shard, **options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], **options: Any) -> Any:
@@ -256,6 +268,7 @@ class MPIStrategy:
 
         See :func:`mpidist._input.factories.distribute_datasets_from_function`.
         """
+        checked_replica_context(self, "strategy.distribute_datasets_from_function")
         return distribute_datasets_from_function(self, dataset_fn, **options)
 
     def run_steps_on_dataset(self, fn: Callable[..., Any], iterator: Iterator[Any], iterations: int) -> Any:
@@ -263,6 +276,7 @@ class MPIStrategy:
 
         See :func:`mpidist._input.multistep.run_steps_on_dataset`.
         """
+        checked_replica_context(self, "strategy.run_steps_on_dataset")
         return run_steps_on_dataset(
             fn,
             iterator,
@@ -274,8 +288,19 @@ class MPIStrategy:
         )
 
     def experimental_local_results(self, value: Any) -> tuple:
-        """This rank's components of ``value`` as a tuple (a plain value gives ``(value,)``). Local."""
-        return value.values if isinstance(value, DistributedValues) else (value,)
+        """Local: the local replicas' components of ``value``, one per replica (under MPI: this rank's), as a tuple.
+
+        A distributed value gives its components; a nest holding distributed
+        values gives one nest per replica with each of them replaced by that
+        replica's component (``({'a': 1.0, 'b': 2.0},)`` for what a ``run``
+        returning that dict gives); a value without any gives ``(value,)``.
+        """
+        if isinstance(value, DistributedValues):
+            return value.values
+        ids = sorted(
+            {rid for leaf in flatten(value) if isinstance(leaf, DistributedValues) for rid in leaf.replica_ids}
+        )
+        return tuple(select_replica(rid, value) for rid in ids) if ids else (value,)
 
     def update(self, var: DistributedVariable, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Cross-replica: call ``fn(component, *args, **kwargs)`` on every rank; ``fn`` updates in place.
@@ -333,7 +358,7 @@ class MPIStrategy:
                 )
         update = UPDATES[fn] if isinstance(fn, str) else fn
         values = [x for _, x in pairs]
-        if get_replica_context() is None:
+        if checked_replica_context(self, "strategy.batch_update") is None:
             for v, x in zip(variables, values):
                 update(v.component, v.coerce(x))
             return variables
@@ -365,7 +390,7 @@ class MPIStrategy:
             )
         if var.strategy is not self:
             raise ValueError(f"strategy.{what}: variable {var.name!r} belongs to another strategy, {var.strategy!r}")
-        if get_replica_context() is not None:
+        if checked_replica_context(self, f"strategy.{what}") is not None:
             raise RuntimeError(
                 f"strategy.{what} is a cross-replica call; inside strategy.run use get_replica_context().merge_call"
             )
@@ -384,6 +409,7 @@ class MPIStrategy:
         instead broadcasts rank 0's values into the diverged variables, warns,
         and returns ``{name: diverged ranks}``.
         """
+        checked_replica_context(self, "strategy.check_mirrored")
         flat = flatten(variables)
         for v in flat:
             if not isinstance(v, MirroredVariable):

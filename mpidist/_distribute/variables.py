@@ -8,10 +8,12 @@ object per synchronization mode (TF's ``OnWritePolicy`` / ``OnReadPolicy``):
 - :class:`OnWritePolicy` (``MirroredVariable``): in replica context an
   update's argument is first reduced across replicas by the variable's
   aggregation, then the same update runs on every rank, so the components
-  stay identical. In cross-replica context the argument is applied as given.
+  stay identical. In cross-replica context (and outside any scope) the argument
+  is applied as given.
   A save stores the component once; a restore sets it on every rank.
 - :class:`OnReadPolicy` (``SyncOnReadVariable``): replicas update their own
-  component freely; a read in cross-replica context reduces all components.
+  component freely; a read outside replica context (in cross-replica context,
+  or outside any strategy scope) reduces all components.
   A save stores that reduced value; a restore assigns it in cross-replica
   context (``SUM`` values split over the ranks present).
 
@@ -35,10 +37,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union, cast
 import numpy as np
 
 from mpidist._comm.backend import contiguous, to_host
-from mpidist._distribute.context import get_replica_context, in_cross_replica_context, require_strategy
+from mpidist._distribute.context import checked_replica_context, in_cross_replica_context, require_strategy
 from mpidist._distribute.mirrors import fingerprint
 from mpidist._errors import on_rank
-from mpidist._values.values import DistributedValues, Mirrored, PerReplica, register_component
+from mpidist._values.values import ComponentOperators, DistributedValues, Mirrored, PerReplica, register_component
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike, DTypeLike
@@ -116,9 +118,9 @@ class Policy:
 
     synchronization: VariableSynchronization
 
-    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> Any:
+    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> None:
         """Collective or local, as the variable classes say: ``kind`` (``"assign"``, ``"assign_add"``,
-        ``"assign_sub"``) of ``value``; returns ``var``."""
+        ``"assign_sub"``) of ``value``."""
         raise NotImplementedError
 
     def read(self, var: DistributedVariable) -> Any:
@@ -147,20 +149,14 @@ class OnWritePolicy(Policy):
 
     synchronization = VariableSynchronization.ON_WRITE
 
-    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> Any:
-        if get_replica_context() is None:
-            if in_cross_replica_context():
-                UPDATES[kind](var.component, var.coerce(value))
-                return var
-            raise RuntimeError(
-                f"{kind} of MirroredVariable {var.name!r} must run inside `with strategy.scope():` "
-                "(cross-replica) or inside strategy.run (replica context)"
-            )
+    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> None:
+        if checked_replica_context(var.strategy, kind, var.name) is None:  # cross-replica, or outside any scope
+            UPDATES[kind](var.component, var.coerce(value))
+            return
         require_aggregation(var, kind)
         # What merge_call would do, without wrapping and unwrapping the arguments: the update is
         # the hot path of training loops.
         var.strategy.extended.update_mirrored((var,), (value,), UPDATES[kind])
-        return var
 
     def read(self, var: DistributedVariable) -> Any:
         return var.component
@@ -190,32 +186,31 @@ class OnReadPolicy(Policy):
 
     synchronization = VariableSynchronization.ON_READ
 
-    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> Any:
-        if get_replica_context() is not None:
+    def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> None:
+        if checked_replica_context(var.strategy, kind, var.name) is not None:
             UPDATES[kind](var.component, var.coerce(value))
-            return var
-        if not in_cross_replica_context():
+            return
+        if kind != "assign":  # cross-replica context, or outside any scope
             raise RuntimeError(
-                f"{kind} of SyncOnReadVariable {var.name!r} must run inside strategy.run or `with strategy.scope():`"
-            )
-        if kind != "assign":
-            raise RuntimeError(
-                f"{kind} of SyncOnReadVariable {var.name!r} is only allowed in replica context (inside "
-                "strategy.run), where each replica updates its own component; in cross-replica context "
-                "use assign(total), which splits the value over the replicas"
+                on_rank(
+                    var.strategy.rank,
+                    f"{kind} of SyncOnReadVariable {var.name!r} is only allowed in replica context (inside "
+                    "strategy.run), where each replica updates its own component; in cross-replica context "
+                    "(and outside any strategy scope) use assign(total), which splits the value over the replicas",
+                )
             )
         self.restore(var, value)  # what a restore does: the total split over the replicas
-        return var
 
     def read(self, var: DistributedVariable) -> Any:
-        if get_replica_context() is not None or not in_cross_replica_context():
+        if checked_replica_context(var.strategy, "read_value()", var.name) is not None:
             return var.component
-        return self._aggregate(var)
+        # cross-replica context, or outside any scope: a collective, named for the deadline's messages
+        return self._aggregate(var, f"read_value() of SyncOnReadVariable {var.name!r}")
 
     def save_value(self, var: DistributedVariable, first_replica: bool) -> Array:
         """Collective: the components reduced by the aggregation (``NONE``: summed, with a warning)."""
         cast("SyncOnReadVariable", var).warn_if_not_restorable()  # the policy of SyncOnReadVariable only
-        return self._aggregate(var)
+        return self._aggregate(var, var.name)
 
     def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
         return None
@@ -233,8 +228,8 @@ class OnReadPolicy(Policy):
         var.component[...] = array
 
     @staticmethod
-    def _aggregate(var: DistributedVariable) -> Any:
-        return var.strategy.extended.aggregate(var.aggregation, var.component, name=var.name)
+    def _aggregate(var: DistributedVariable, name: str) -> Any:
+        return var.strategy.extended.aggregate(var.aggregation, var.component, name=name)
 
 
 class DistributedVariable(DistributedValues):
@@ -298,24 +293,44 @@ class DistributedVariable(DistributedValues):
 
     # -- reads and updates -------------------------------------------------------------
     def read_value(self) -> Any:
-        """The variable's value: see the class docstring for which contexts are collective."""
+        """The variable's value. Collective for a sync-on-read variable outside replica context: in
+        cross-replica context and outside any strategy scope it reduces every replica's component, so every
+        rank must call it; local otherwise (see the class docstrings). ``numpy.asarray(v)`` is never collective.
+        """
         return self.policy.read(self)
 
     def numpy(self) -> np.ndarray:
-        """A host NumPy copy of :meth:`read_value` (collective where ``read_value`` is)."""
+        """A host NumPy copy of :meth:`read_value`: collective where ``read_value`` is."""
         return np.array(to_host(self.read_value()))
 
-    def assign(self, value: ArrayLike) -> DistributedVariable:
-        """Set the value (collective for a mirrored variable in replica context)."""
-        return self.policy.update(self, "assign", value)
+    def assign(
+        self, value: ArrayLike, use_locking: bool = False, name: Optional[str] = None, read_value: bool = True
+    ) -> Optional[DistributedVariable]:
+        """Set the value; collective for a mirrored variable in replica context (see the class docstrings).
 
-    def assign_add(self, value: ArrayLike) -> DistributedVariable:
-        """Add to the value (collective for a mirrored variable in replica context)."""
-        return self.policy.update(self, "assign_add", value)
+        Returns the variable, or ``None`` with ``read_value=False`` (as an
+        eager TensorFlow variable does). ``use_locking`` and ``name`` are
+        TensorFlow's arguments, accepted and without effect: a rank updates its
+        component in place, and no graph op is named.
+        """
+        self.policy.update(self, "assign", value)
+        return self if read_value else None
 
-    def assign_sub(self, value: ArrayLike) -> DistributedVariable:
-        """Subtract from the value (collective for a mirrored variable in replica context)."""
-        return self.policy.update(self, "assign_sub", value)
+    def assign_add(
+        self, value: ArrayLike, use_locking: bool = False, name: Optional[str] = None, read_value: bool = True
+    ) -> Optional[DistributedVariable]:
+        """Add to the value; collective for a mirrored variable in replica context. Arguments and result as
+        :meth:`assign`'s."""
+        self.policy.update(self, "assign_add", value)
+        return self if read_value else None
+
+    def assign_sub(
+        self, value: ArrayLike, use_locking: bool = False, name: Optional[str] = None, read_value: bool = True
+    ) -> Optional[DistributedVariable]:
+        """Subtract from the value; collective for a mirrored variable in replica context. Arguments and result
+        as :meth:`assign`'s."""
+        self.policy.update(self, "assign_sub", value)
+        return self if read_value else None
 
     def coerce(self, value: Any) -> Array:
         """Local: ``value`` as an array of the component's module, dtype and shape (broadcast), checked.
@@ -335,7 +350,7 @@ class DistributedVariable(DistributedValues):
             return value  # the common case, kept short
         if isinstance(value, DistributedValues):
             value = value.get(self._strategy.rank)
-        array = self._strategy.backend.asarray(value)
+        array = self._strategy.backend.asarray(value, None, f"value for variable {self._name!r}", self._strategy.rank)
         try:
             fits = np.broadcast_shapes(tuple(array.shape), self.shape) == self.shape
         except ValueError:
@@ -378,8 +393,9 @@ class MirroredVariable(DistributedVariable, Mirrored):
       aggregation (``SUM``, ``MEAN``, ``ONLY_FIRST_REPLICA``: replica 0's),
       then the same update runs on every rank. Aggregation ``NONE`` raises
       ``ValueError``.
-    - Cross-replica context: updates apply the argument as given on every rank
-      (pass the same value everywhere). Local.
+    - Cross-replica context, and outside any strategy scope: updates apply
+      the argument as given on every rank (pass the same value everywhere).
+      Local.
     - ``read_value()`` is the local component. Local.
 
     Python operators, attribute access and ``numpy.asarray`` act on the local
@@ -394,23 +410,27 @@ class MirroredVariable(DistributedVariable, Mirrored):
     policy = OnWritePolicy()
 
 
-class SyncOnReadVariable(DistributedVariable, PerReplica):
-    """A variable each replica updates on its own; reads in cross-replica context reduce.
+class SyncOnReadVariable(DistributedVariable, PerReplica, ComponentOperators):
+    """A variable each replica updates on its own; reads outside replica context reduce.
 
     - Replica context: ``assign``, ``assign_add``, ``assign_sub`` and
       ``read_value()`` touch only the local component. Local.
-    - Cross-replica context: ``read_value()``/``numpy()`` are collective and
-      return the ``SUM`` or ``MEAN`` of all components (``ONLY_FIRST_REPLICA``:
-      replica 0's; ``NONE`` reads as ``SUM``). ``assign(x)`` is local and sets
-      every component to ``x / N`` for ``SUM`` (integers: integer shares that
-      add up to ``x`` exactly), so the value reads back as ``x``, and to ``x``
-      unchanged otherwise (``NONE`` then reads back as ``N * x``);
-      ``assign_add`` and ``assign_sub`` raise ``RuntimeError``.
+    - Cross-replica context, and outside any strategy scope (as in TensorFlow,
+      where that is the default strategy's cross-replica context):
+      ``read_value()``/``numpy()`` are collective, so every rank must call
+      them, and return the ``SUM`` or ``MEAN`` of all components
+      (``ONLY_FIRST_REPLICA``: replica 0's; ``NONE`` reads as ``SUM``).
+      ``assign(x)`` is local and sets every component to ``x / N`` for
+      ``SUM`` (integers: integer shares that add up to ``x`` exactly), so the
+      value reads back as ``x``, and to ``x`` unchanged otherwise (``NONE``
+      then reads back as ``N * x``); ``assign_add`` and ``assign_sub`` raise
+      ``RuntimeError``.
     - Conversion (``numpy.asarray(v)``, the CUDA array interface, DLPack) is
       never collective: in replica context, or outside any strategy scope, it
       gives the local component; in cross-replica context it raises
       ``TypeError`` (use ``read_value()`` or ``strategy.read_var(v)``, which
-      are collective).
+      are collective). Python operators (``v + 1``, ``v[0]``, ``float(v)``)
+      follow the same rule.
     """
 
     policy = OnReadPolicy()
@@ -454,14 +474,16 @@ def Variable(
     initial_value: Union[ArrayLike, Callable[[], ArrayLike]],
     name: Optional[str] = None,
     dtype: Optional[DTypeLike] = None,
-    synchronization: VariableSynchronization = VariableSynchronization.AUTO,
-    aggregation: VariableAggregation = VariableAggregation.NONE,
+    synchronization: Optional[VariableSynchronization] = VariableSynchronization.AUTO,
+    aggregation: Optional[VariableAggregation] = VariableAggregation.NONE,
 ) -> DistributedVariable:
     """Create a distributed variable of the strategy whose ``scope()`` is active.
 
     Collective: every rank creates its variables in the same order. The
     initial value (an array, a number, or a callable returning one) is rank
     0's, broadcast, so replicas start identical even from random values.
+    ``synchronization`` and ``aggregation`` take the enums or their names;
+    ``None`` means ``AUTO`` and ``NONE``, as in TensorFlow.
 
     Returns:
         a :class:`MirroredVariable` (``AUTO``, ``ON_WRITE``) or a
@@ -473,13 +495,16 @@ def Variable(
             dtypes that differ between ranks (``CollectiveMismatchError``).
     """
     strategy = require_strategy("Variable(...)")
-    synchronization = VariableSynchronization(synchronization)
-    aggregation = VariableAggregation(aggregation)
+    synchronization = (
+        VariableSynchronization.AUTO if synchronization is None else VariableSynchronization(synchronization)
+    )
+    aggregation = VariableAggregation.NONE if aggregation is None else VariableAggregation(aggregation)
     if callable(initial_value):
         initial_value = initial_value()
-    if not strategy.backend.is_gpu:
-        initial_value = to_host(initial_value)
-    component = strategy.backend.xp.array(initial_value, dtype=dtype, order="C", copy=True)
+    try:
+        component = strategy.backend.array(initial_value, dtype, "initial value", strategy.rank)  # always a copy
+    except Exception as exc:  # a value that cannot be converted: every rank raises, in the initial broadcast
+        strategy.extended.communicator.fail(exc, "Variable(...)")
     if name is None:
         name = strategy.extended.default_name()
     if aggregation is VariableAggregation.MEAN and _is_integer(component.dtype):

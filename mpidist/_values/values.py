@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 from mpidist._values.nest import assert_same_structure, map_structure, map_structure_with_path
 
 __all__ = [
+    "ComponentOperators",
     "DistributedValues",
     "Mirrored",
     "PerReplica",
@@ -224,11 +225,11 @@ _FORWARDED_PROTOCOLS = frozenset({"__cuda_array_interface__", "__dlpack__", "__d
 
 
 def _forward(op: Callable[..., Any]) -> Callable[..., Any]:
-    return lambda self, *args: op(self.get(), *args)
+    return lambda self, *args: op(self._convertible(), *args)
 
 
 def _reflect(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    return lambda self, other: op(other, self.get())
+    return lambda self, other: op(other, self._convertible())
 
 
 def _power(a: Any, b: Any, modulo: Any = None) -> Any:
@@ -280,7 +281,37 @@ _OTHER: dict[str, Callable[..., Any]] = {
 }
 
 
-class _Delegate(DistributedValues):
+class ComponentOperators(DistributedValues):
+    """A distributed value whose Python operators act on the component its conversion gives.
+
+    Arithmetic, comparisons, bitwise and unary operators, indexing,
+    ``len``/``iter``/``bool``/numeric conversions use the component that
+    ``numpy.asarray`` of the value would (the local one), and return plain
+    values. Local; a subclass whose conversion refuses (a sync-on-read
+    variable in cross-replica context) refuses its operators alike.
+    """
+
+    # Higher than ndarray's, so ``ndarray <op> value`` defers to our
+    # reflected operators instead of NumPy converting us itself.
+    __array_priority__ = 100.0
+
+    # Defining __eq__ would otherwise make instances unhashable; keep identity
+    # hashing so distributed values can be dict keys and set members.
+    __hash__ = object.__hash__
+
+    def __rpow__(self, o: Any, modulo: Any = None) -> Any:
+        return _power(o, self._convertible(), modulo)
+
+
+for _name, _op in _BINARY.items():
+    setattr(ComponentOperators, f"__{_name}__", _forward(_op))
+    setattr(ComponentOperators, f"__r{_name}__", _reflect(_op))
+for _name, _op in _OTHER.items():
+    setattr(ComponentOperators, f"__{_name}__", _forward(_op))
+del _name, _op
+
+
+class _Delegate(ComponentOperators):
     """A distributed value that acts as its local component.
 
     Public attribute access (``m.shape``, ``m.sum()``), Python operators,
@@ -291,14 +322,6 @@ class _Delegate(DistributedValues):
     ``pickle`` and NumPy's protocol probes see the container, never the
     component (and nothing recurses before ``_index`` is set).
     """
-
-    # Higher than ndarray's, so ``ndarray <op> mirrored`` defers to our
-    # reflected operators instead of NumPy converting us itself.
-    __array_priority__ = 100.0
-
-    # Defining __eq__ would otherwise make instances unhashable; keep identity
-    # hashing so distributed values can be dict keys and set members.
-    __hash__ = object.__hash__
 
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup failed.
@@ -314,21 +337,10 @@ class _Delegate(DistributedValues):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (not initialized)")
         return getattr(self.get(), name)
 
-    def __rpow__(self, o: Any, modulo: Any = None) -> Any:
-        return _power(o, self.get(), modulo)
-
     def __format__(self, spec: str) -> str:
         if not spec:
             return str(self)
         return format(self.get(), spec)
-
-
-for _name, _op in _BINARY.items():
-    setattr(_Delegate, f"__{_name}__", _forward(_op))
-    setattr(_Delegate, f"__r{_name}__", _reflect(_op))
-for _name, _op in _OTHER.items():
-    setattr(_Delegate, f"__{_name}__", _forward(_op))
-del _name, _op
 
 
 class Mirrored(_Delegate):

@@ -178,6 +178,42 @@ def test_reduce_scatter(comm, op):
     np.testing.assert_array_equal(block, full if comm.rank == comm.size - 1 else full[:0])
 
 
+def test_reduce_scatter_of_a_0d_array_is_an_error_on_every_rank(comm):
+    """As in Horovod: a 0-d array has no axis 0 to split (it used to give rank 0 one element, the others none)."""
+    for _ in range(2):
+        with pytest.raises(ValueError) as info:
+            comm.reduce_scatter(np.array(float(comm.rank)), name="loss")
+        assert not isinstance(info.value, CollectiveMismatchError)  # every rank's own error, none waits for another
+        assert str(info.value).startswith(f"rank {comm.rank}: reduce_scatter of 'loss': a 0-d array (shape ())")
+    bad = comm.size - 1  # a 0-d array on one rank only: the others are told which rank and why
+    with pytest.raises(ValueError) as info:
+        comm.reduce_scatter(np.array(1.0) if comm.rank == bad else np.ones(comm.size), name="loss")
+    assert isinstance(info.value, CollectiveMismatchError) == (comm.rank != bad)
+    assert f"rank {bad}: reduce_scatter of 'loss': a 0-d array" in str(info.value)
+    np.testing.assert_array_equal(comm.reduce_scatter(np.ones(comm.size)), [comm.size])  # still in step
+    unchecked = Communicator(comm.mpi_comm, Options(check_collectives=False, timeout=None))
+    try:  # without the agreement every rank finds the error itself, before any MPI call
+        with pytest.raises(ValueError, match=rf"^rank {comm.rank}: reduce_scatter of 'array': a 0-d array"):
+            unchecked.reduce_scatter(np.array(1.0))
+        np.testing.assert_array_equal(unchecked.reduce_scatter(np.ones((comm.size, 2))), [[comm.size] * 2])
+    finally:
+        unchecked.free()
+
+
+def test_nonblocking_calls_of_one_name_are_matched_by_call_order(comm):
+    """Unlike Horovod, a name may be in flight twice: names label calls, the order of the calls matches them."""
+    total = comm.size * (comm.size + 1) / 2
+    for _ in range(2):
+        first = comm.iallreduce(np.full(3, comm.rank + 1.0), name="grad")
+        second = comm.iallreduce(np.full(40000, 2.0 * (comm.rank + 1)), name="grad")  # beyond what the record carries
+        third = comm.iallgather(np.full(2, comm.rank), name="grad")
+        np.testing.assert_array_equal(third.wait(), np.repeat(np.arange(comm.size), 2))  # any order of waits
+        np.testing.assert_array_equal(second.wait(), np.full(40000, 2 * total))
+        np.testing.assert_array_equal(first.wait(), np.full(3, total))
+        blocking = comm.allreduce(np.ones(2), name="grad")  # a blocking call of that name, handles done or not
+        np.testing.assert_array_equal(blocking, [comm.size] * 2)
+
+
 def test_split_counts_cover_and_balance(comm):
     for n in range(3 * comm.size + 2):
         counts = comm.split_counts(n)

@@ -186,6 +186,28 @@ def test_mirrored_reflected_operators(op, component, other):
     _assert_plain_equal(op(other, Mirrored({0: component})), op(other, component))
 
 
+class _Guarded(PerReplica, _values.ComponentOperators):
+    """Operators without delegation, on a component its conversion may refuse (as a sync-on-read variable)."""
+
+    refuse = False
+
+    def _convertible(self):
+        if self.refuse:
+            raise TypeError("refused")
+        return super()._convertible()
+
+
+@pytest.mark.parametrize("op, component, other", list(_operand_cases("left")), ids=_case_id)
+def test_component_operators_use_the_converted_component(op, component, other):
+    value = _Guarded({0: component})
+    _assert_plain_equal(op(value, other), op(component, other))
+    _assert_plain_equal(np.float64(2) - _Guarded({0: np.arange(3.0)}), 2 - np.arange(3.0))  # reflected
+    assert not hasattr(value, "shape")  # operators only: attributes are not delegated
+    value.refuse = True
+    with pytest.raises(TypeError, match="refused"):
+        op(value, other)
+
+
 @pytest.mark.parametrize(
     "op, component",
     [
@@ -602,7 +624,15 @@ def test_select_replica_mirrored_rejects_plain_distributed_values():
 
 def test_module_all():
     assert sorted(_values.__all__) == sorted(
-        ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replica_mirrored"]
+        [
+            "ComponentOperators",
+            "DistributedValues",
+            "PerReplica",
+            "Mirrored",
+            "regroup",
+            "select_replica",
+            "select_replica_mirrored",
+        ]
     )
     for name in _values.__all__:
         assert getattr(_values, name).__doc__

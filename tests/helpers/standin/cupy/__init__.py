@@ -313,13 +313,16 @@ def _new(a: np.ndarray, base: Optional[ndarray] = None, device: Optional[int] = 
     return _init(ndarray.__new__(ndarray), a, base, current_device_id() if device is None else device)
 
 
-def _consume(obj: Any, via: str = "__cuda_array_interface__") -> Optional[ndarray]:
-    """A device array viewing the memory ``obj`` exports (``None`` if it exports none), as CuPy imports it."""
+def _consume(obj: Any, via: str = "__cuda_array_interface__", **kwargs: Any) -> Optional[ndarray]:
+    """A device array viewing the memory ``obj`` exports (``None`` if it exports none), as CuPy imports it.
+
+    ``kwargs`` go to ``obj.__dlpack__`` (the consumer's ``stream``).
+    """
     _importing.on, _importing.owner = True, None
     try:
         exported = getattr(obj, via)
         if via == "__dlpack__":
-            exported()
+            exported(**kwargs)
     except AttributeError:
         return None
     finally:
@@ -518,13 +521,28 @@ def array(
     return _from_host(obj, dtype, copy=copy, order=order, ndmin=ndmin)
 
 
+_DLPACK_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged: the memory CuPy imports
+
+
 def from_dlpack(obj: Any, *, device: Any = None, copy: Any = None) -> ndarray:
-    """A device array viewing the memory of a DLPack exporter on the device."""
+    """A device array viewing the memory of a DLPack exporter on the device, as CuPy imports it.
+
+    The exporter's ``__dlpack_device__`` must be a CUDA device (host memory raises ``ValueError``,
+    as in CuPy 13); the consumer's current stream goes to its ``__dlpack__`` as ``stream=`` (1 for
+    the null stream). The result shares the exporter's memory, and the work still writing it stays
+    tracked; imports are counted (``dlpack_imports``), copies are not made.
+    """
     if isinstance(obj, ndarray):
+        LEDGER.add("dlpack_imports")
         return _new(obj._a.view(), obj._root(), obj._device)
-    imported = _consume(obj, "__dlpack__")
+    kind, _ = obj.__dlpack_device__()
+    if kind not in _DLPACK_DEVICES:
+        raise ValueError(f"Unsupported DLPack device type {kind}: CuPy imports CUDA and CUDA managed memory only")
+    stream = get_current_stream()
+    imported = _consume(obj, "__dlpack__", stream=1 if stream.is_null else stream.ptr)
     if imported is None:
         raise TypeError(_UNSUPPORTED.format(type(obj)))
+    LEDGER.add("dlpack_imports")
     return imported
 
 

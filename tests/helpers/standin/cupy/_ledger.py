@@ -9,7 +9,17 @@ from typing import Any
 class Ledger:
     """Counters the tests read and reset (``cupy._ledger.LEDGER``)."""
 
-    COUNTERS = ("h2d", "d2h", "h2d_bytes", "d2h_bytes", "scalar_reads", "syncs", "mpi_reads", "pinned_allocs")
+    COUNTERS = (
+        "h2d",
+        "d2h",
+        "h2d_bytes",
+        "d2h_bytes",
+        "scalar_reads",
+        "syncs",
+        "mpi_reads",
+        "pinned_allocs",
+        "dlpack_imports",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
