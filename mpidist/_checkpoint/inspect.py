@@ -142,7 +142,10 @@ def _print_report(report: Any) -> None:
     for entry, row in zip(manifest["entries"], rows):
         row["status"] = failed if entry["name"] in report.problems else "ok" if entry["kind"] != fmt.STATE else ""
     columns = ["name", "kind", "shape", "dtype", "aggregation", "size", "status"]
-    widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in columns}
+    # A state's summary (up to 40 characters) runs past the size column instead of widening it:
+    # the row's status is empty (only arrays are verified), so nothing follows it.
+    sized = [r for r, e in zip(rows, manifest["entries"]) if e["kind"] != fmt.STATE]
+    widths = {c: max([len(c)] + [len(r[c]) for r in (sized if c == "size" else rows)]) for c in columns}
     print("  " + "  ".join(c.ljust(widths[c]) for c in columns).rstrip())
     for row in rows:
         print("  " + "  ".join(row[c].ljust(widths[c]) for c in columns).rstrip())

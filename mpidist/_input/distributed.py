@@ -23,6 +23,8 @@ This module never calls MPI itself.
 from __future__ import annotations
 
 import collections
+import inspect
+import os
 import warnings
 from typing import Any, NoReturn, Optional, Protocol
 
@@ -47,6 +49,9 @@ from mpidist._input.sharding import check_count
 __all__ = ["STATE_FORMAT", "DistributedDataset", "DistributedIterator", "InputHost"]
 
 STATE_FORMAT = "mpidist.data/1"
+
+# Where mpidist's private modules live: a warning skips their frames to point at the user's code.
+_PRIVATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_")
 
 
 class InputHost(Protocol):
@@ -148,7 +153,7 @@ class DistributedDataset:
                     "FileDataset with a global_batch_size",
                 ),
                 UserWarning,
-                stacklevel=4,
+                stacklevel=_callers_level(),
             )
 
     def iterator_from_state(self, state: dict[str, Any]) -> DistributedIterator:
@@ -532,3 +537,14 @@ class DistributedIterator:
 def _finish(converter: Converter, chunk: Chunk) -> Chunk:
     """``chunk`` (prepared by the prefetch thread) with its leaves on the converter's backend. Local."""
     return chunk.map_leaves(converter.finish) if converter.needs_finish(chunk) else chunk
+
+
+def _callers_level() -> int:
+    """Local: the ``stacklevel`` at which a warning issued by this function's caller names the
+    innermost frame outside mpidist's private modules (the user's loop, also through
+    ``run_steps_on_dataset``)."""
+    here = inspect.currentframe()
+    level, frame = 1, here.f_back if here is not None else None  # the caller: stacklevel 1
+    while frame is not None and frame.f_back is not None and frame.f_code.co_filename.startswith(_PRIVATE):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import types
@@ -355,6 +356,42 @@ def test_element_streams_warn_with_the_number_dropped(strategy, make):
     assert len(messages) == len(expected), messages
     for message, text in zip(messages, expected):
         assert text in message and message.startswith(f"rank {r}: ")
+
+
+def test_the_drop_warning_names_the_users_line(strategy):
+    """The line of the loop that ended the epoch, not mpidist's own file: a for loop, list(),
+    ``run_steps_on_dataset``; a global position (elements) and a rank-local one (files)."""
+    _, n = world()
+    if n == 1:
+        pytest.skip("one rank drops nothing")
+    contents = {f"f{i}": [i] for i in range(n + 1)}  # rank 0 reads one file more than the others
+
+    def loop():
+        for _ in distribute_dataset(strategy, range(n + 1)):
+            pass
+        return this_line() - 2
+
+    def listed():
+        list(distribute_dataset(strategy, FileDataset(sorted(contents), contents.__getitem__)))
+        return this_line() - 1
+
+    def steps():
+        it = iter(distribute_dataset(strategy, range(2 * n + 1)))
+        while strategy.run_steps_on_dataset(lambda ctx, x: None, it, 2).steps_run == 2:
+            pass
+        return this_line() - 2
+
+    for run in (loop, listed, steps):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            line = run()
+        warned = [(w.filename, w.lineno) for w in record if "dropped" in str(w.message)]
+        assert warned == [(__file__, line)], (run.__name__, warned)
+
+
+def this_line() -> int:
+    """The line number of the caller's current line."""
+    return sys._getframe(1).f_lineno
 
 
 def test_drop_remainder_choices_are_checked(strategy):
