@@ -45,6 +45,7 @@ import enum
 import hashlib
 import math
 import re
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
@@ -72,12 +73,17 @@ if TYPE_CHECKING:
 
 __all__ = ["Agreement", "Call", "Kind", "Ticket", "leave_all", "validate", "validate_out", "word_bits"]
 
-# dtype chars MPI can move.
-DTYPES = "?bhilqBHILQefdFD"
-FLOATS = frozenset("efdFD")
+# dtype chars MPI can move: NumPy's, and bfloat16 of ml_dtypes (NumPy has none), a user-defined NumPy dtype
+# whose char is BFLOAT16. ml_dtypes' other dtypes reuse chars of NumPy's (int1 'e', float8_e4m3b11fnuz 'L',
+# uint1 'E'): validate() tells them apart.
+BFLOAT16 = "E"
+DTYPES = "?bhilqBHILQefdFD" + BFLOAT16
+FLOATS = frozenset("efdFD" + BFLOAT16)
 _COMPLEX = frozenset("FD")
-# dtypes whose SUM travels exactly inside the float64 record (integers below 2**33, floats).
-_CARRIED = frozenset("?bhiBHIefd")
+# dtypes whose SUM travels exactly inside the float64 record (integers below 2**33, floats; 16-bit floats are
+# summed there in float64 and rounded once).
+_CARRIED = frozenset("?bhiBHIefd" + BFLOAT16)
+_USER_DTYPES = 256  # NumPy numbers user-defined dtypes (dtype.num) from here on
 SMALL = 32  # data slots of the record: reductions of up to this many elements need one MPI call
 _K = 3  # hash words
 
@@ -106,21 +112,30 @@ class Kind(enum.IntEnum):
     BARRIER = 5
     FUSED = 6
     CREATE = 7  # a communicator's creation: the options every rank must share
+    ALLTOALL = 8  # extra: (rows to each rank,) for even splits; None for splits of each rank's own
+    GATHER = 9
+    SCATTER = 10  # only the root holds the arrays: their dtype and shapes are not compared
+    SPLIT = 11  # a split into process sets (each rank's colour and key are its own: not compared)
 
     __hash__ = int.__hash__  # as its int value, at C speed (kinds key caches)
 
 
+# Kinds whose arrays may differ in length along axis 0 between ranks (the rest of the shape is compared).
+_ROWS_MAY_DIFFER = frozenset({Kind.ALLGATHER, Kind.ALLTOALL, Kind.GATHER})
+
 # One char per dtype: aliases of the same dtype ('l' and 'q' are both int64 on Linux) are one dtype.
-_CANONICAL = {c: next(d for d in DTYPES if np.dtype(d) == np.dtype(c)) for c in DTYPES}
+_NUMPY_DTYPES = DTYPES.replace(BFLOAT16, "")
+_CANONICAL = {c: next(d for d in _NUMPY_DTYPES if np.dtype(d) == np.dtype(c)) for c in _NUMPY_DTYPES}
+_CANONICAL[BFLOAT16] = BFLOAT16
 
 
 class Call:
     """What one rank is about to do: the identity the ranks agree on, and how to describe it.
 
-    ``shape`` is compared whole except for ``ALLGATHER``, whose first
-    dimension may differ. ``extra`` holds further arguments every rank must
-    pass alike (``reduce_scatter`` counts, a fused layout, the update a fused
-    reduction applies, a creation's options). ``dtype`` is compared as a dtype,
+    ``shape`` is compared whole except for ``ALLGATHER``, ``ALLTOALL`` and
+    ``GATHER``, whose first dimension may differ. ``extra`` holds further
+    arguments every rank must pass alike (``reduce_scatter`` counts, a fused
+    layout, the update a fused reduction applies, a creation's options). ``dtype`` is compared as a dtype,
     not as the char that spells it.
     """
 
@@ -138,7 +153,7 @@ class Call:
     ) -> None:
         self.kind, self.op, self.dtype, self.shape = kind, op, _CANONICAL.get(dtype, dtype), shape
         self.name, self.root, self.extra = name, root, extra
-        compared = shape[1:] if kind == Kind.ALLGATHER else shape
+        compared = shape[1:] if kind in _ROWS_MAY_DIFFER else shape
         self.key = (kind, op, self.dtype, compared, len(shape), name, root, extra)
 
     def describe(self) -> str:
@@ -150,14 +165,16 @@ class Call:
         text = self.kind.name.lower()
         if self.op is not None:
             text += f"({self.op.value})"
-        if self.kind == Kind.BROADCAST:
+        if self.kind in (Kind.BROADCAST, Kind.GATHER, Kind.SCATTER):
             text += f"(root={self.root})"
         text += f" of {self.name!r}"
-        if self.kind != Kind.BARRIER:
+        if self.kind not in (Kind.BARRIER, Kind.SPLIT, Kind.SCATTER):
             dims = list(self.shape)
-            text += f" {np.dtype(self.dtype).name if self.dtype else '?'}{dims}"
+            text += f" {dtype_name(self.dtype) if self.dtype else '?'}{dims}"
         if self.kind == Kind.REDUCE_SCATTER and self.extra is not None:
             text += f" counts {list(self.extra)}"
+        elif self.kind == Kind.ALLTOALL and self.dtype:
+            text += " split evenly" if self.extra is not None else " with splits"
         elif self.extra is not None and self.kind in (Kind.ALLREDUCE, Kind.BROADCAST):
             text += _update_words(self.extra[0])
         return text
@@ -173,9 +190,27 @@ class Call:
             return []
         specs, names, _ = self.extra
         return [
-            f"{name!r} {op or 'rank 0s value'} {np.dtype(dtype).name}{list(shape)}"
+            f"{name!r} {op or 'rank 0s value'} {dtype_name(dtype)}{list(shape)}"
             for (op, dtype, shape), name in zip(specs, names)
         ]
+
+
+def dtype_name(spelling: str) -> str:
+    """Local: the name of the dtype a call spells as ``spelling`` (its char, or ``dtype.str``), for messages.
+
+    bfloat16 is spelled :data:`BFLOAT16`, or ``'<V2'`` as ``dtype.str``: the only dtype of kind ``'V'``
+    that :func:`validate` takes.
+    """
+    if spelling == BFLOAT16:
+        return "bfloat16"
+    dtype = np.dtype(spelling)
+    return "bfloat16" if dtype.kind == "V" else dtype.name
+
+
+def _is_bfloat16(dtype: np.dtype[Any]) -> bool:
+    """Local: whether ``dtype`` (a user-defined NumPy dtype) is ml_dtypes' bfloat16."""
+    ml_dtypes = sys.modules.get("ml_dtypes")  # imported wherever a bfloat16 array exists
+    return ml_dtypes is not None and dtype.type is ml_dtypes.bfloat16
 
 
 def word_bits(size: int) -> int:
@@ -213,6 +248,7 @@ def validate(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable:
         char = dtype.char
         fine = (
             char in DTYPES
+            and (dtype.num < _USER_DTYPES or _is_bfloat16(dtype))
             and dtype.isnative
             and flags.c_contiguous
             and (flags.writeable or not writable)
@@ -261,10 +297,10 @@ def _why_invalid(array: Any, op: Optional[ReduceOp], writable: bool) -> tuple[ty
     if not (hasattr(array, "dtype") and hasattr(array, "shape") and hasattr(array, "flags")):
         return TypeError, (f" is a {type(array).__name__}, not an array; pass a NumPy or CuPy array (numpy.asarray(x))")
     char = array.dtype.char
-    if char not in DTYPES:
+    if char not in DTYPES or not (array.dtype.num < _USER_DTYPES or _is_bfloat16(array.dtype)):
         return TypeError, (
             f" has dtype {array.dtype}, which mpidist cannot send; use one of "
-            "bool, int8-64, uint8-64, float16/32/64, complex64/128"
+            "bool, int8-64, uint8-64, float16/32/64, bfloat16 (ml_dtypes), complex64/128"
         )
     if not array.dtype.isnative:
         return TypeError, (

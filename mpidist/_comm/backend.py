@@ -12,6 +12,7 @@ memory) is asked for.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from types import ModuleType
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from mpidist._typing import Array
 
 __all__ = [
+    "HALF_FLOATS",
     "Backend",
     "DeviceStager",
     "array_module",
@@ -59,6 +61,11 @@ def cupy_or_none() -> Optional[ModuleType]:
 
 _DEVICE_KINDS = frozenset({2, 10, 13})  # DLPack device types: CUDA, ROCm, CUDA managed memory
 
+# The dtype chars of the 16-bit floats, float16 and bfloat16 (ml_dtypes' user dtype, char 'E'), which MPI
+# gets as their bit patterns: MPI has no bfloat16, and not every MPI has float16. Collectives that combine
+# values reduce them through float32 (mpidist._comm.half), never as these bits.
+HALF_FLOATS = frozenset("eE")
+
 
 def is_device_array(array: Any) -> bool:
     """True for arrays in GPU memory (CuPy arrays, and other objects exposing ``__cuda_array_interface__``).
@@ -85,14 +92,16 @@ def as_array(value: Any, what: str = "value", rank: Optional[int] = None) -> Any
     - An object with ``__dlpack__`` (torch, JAX, array-API libraries, ...) becomes a view without a
       copy: ``numpy.from_dlpack`` for host memory, ``cupy.from_dlpack`` for GPU memory (which
       hands the current CUDA stream to the exporter). Writing into the view writes into
-      ``value``. A host array whose library refuses the export (a dtype DLPack lacks, a tensor
-      that requires grad) is read through its ``__array__`` when it has one.
+      ``value``. A bfloat16 tensor, which NumPy (and CuPy before 14) cannot import, becomes an
+      ``ml_dtypes.bfloat16`` view of the same memory (:func:`_bfloat16_view`). A host array whose
+      library refuses the export (a dtype DLPack lacks, a tensor that requires grad) is read
+      through its ``__array__`` when it has one.
     - An object with only ``__array__`` becomes ``numpy.asarray(value)`` (a view where the
       library gives one).
 
     What the other library raises is raised as it is (callers route it into the agreement, as
-    any failure of a rank's argument). An array in GPU memory without CuPy is a ``TypeError``
-    naming ``what`` and ``rank``.
+    any failure of a rank's argument). An array in GPU memory without CuPy, and a bfloat16 one
+    that this CuPy cannot hold, raise ``TypeError`` naming ``what`` and ``rank``.
     """
     kind = type(value)
     if kind is np.ndarray or not (hasattr(kind, "__dlpack__") or hasattr(kind, "__array__")):
@@ -104,13 +113,133 @@ def as_array(value: Any, what: str = "value", rank: Optional[int] = None) -> Any
     exporter = getattr(value, "__dlpack_device__", None)
     device = 1 if exporter is None else exporter()[0]  # without a device: the host (kDLCPU)
     if device in _DEVICE_KINDS:
-        return _cupy_for(value, device, what, rank).from_dlpack(value)
+        cupy = _cupy_for(value, device, what, rank)
+        try:
+            return cupy.from_dlpack(value)
+        except Exception:  # a dtype this CuPy does not import: bfloat16's bits, if it is that
+            view = _bfloat16_view(value, cupy.from_dlpack, what, rank)
+            if view is None:
+                raise
+            return view
     try:
         return np.from_dlpack(value)
-    except Exception:  # the library refuses DLPack (BufferError, RuntimeError, ...): its __array__, if any
+    except Exception:  # bfloat16's bits; or the library refuses DLPack (BufferError, ...): its __array__, if any
+        view = _bfloat16_view(value, np.from_dlpack, what, rank)
+        if view is not None:
+            return view
         if not hasattr(kind, "__array__"):
             raise
         return np.asarray(value)
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    """The head of DLPack's ``DLTensor``, up to its dtype (what :func:`_relabel_bfloat16` reads)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+    ]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    """The head of DLPack 1's ``DLManagedTensorVersioned`` (capsule ``"dltensor_versioned"``), up to its tensor."""
+
+    _fields_ = [
+        ("major", ctypes.c_uint32),
+        ("minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+_KDL_UINT, _KDL_BFLOAT = 1, 4  # DLPack dtype codes
+
+
+def _relabel_bfloat16(capsule: Any) -> bool:
+    """Local: whether ``capsule`` (a DLPack capsule not yet consumed) holds a bfloat16 tensor, which it then
+    labels as ``uint16``: the same bits, in the same memory, for an importer that has no bfloat16.
+
+    A ``"dltensor"`` capsule points to a ``DLManagedTensor``, whose first member is the tensor; a
+    ``"dltensor_versioned"`` one to a ``DLManagedTensorVersioned``.
+    """
+    name = _capsule_name(capsule)
+    if name not in (b"dltensor", b"dltensor_versioned"):
+        return False
+    address = _capsule_pointer(capsule, name)
+    tensor = (
+        _DLTensor.from_address(address)
+        if name == b"dltensor"
+        else _DLManagedTensorVersioned.from_address(address).dl_tensor
+    )
+    dtype = tensor.dtype
+    if (dtype.code, dtype.bits, dtype.lanes) != (_KDL_BFLOAT, 16, 1):
+        return False
+    dtype.code = _KDL_UINT
+    return True
+
+
+class _NotBfloat16(Exception):
+    """Raised through an importer when the tensor :class:`_AsBits` was asked to export is not bfloat16."""
+
+
+class _AsBits:
+    """A bfloat16 DLPack exporter seen as one of ``uint16`` (:func:`_relabel_bfloat16`); any other dtype is refused."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __dlpack_device__(self) -> Any:
+        return self.value.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        capsule = self.value.__dlpack__(**kwargs)  # the importer's own arguments (its stream, its DLPack version)
+        if not _relabel_bfloat16(capsule):
+            raise _NotBfloat16
+        return capsule
+
+
+def _bfloat16_view(value: Any, importer: Any, what: str, rank: Optional[int]) -> Any:
+    """Local: ``value``'s bfloat16 tensor as an ``ml_dtypes.bfloat16`` view of the same memory, imported by
+    ``importer`` (``numpy.from_dlpack`` or ``cupy.from_dlpack``) as its ``uint16`` bits; ``None`` when
+    ``value`` is not bfloat16. A ``TypeError`` naming ``what`` and ``rank`` when ml_dtypes is not
+    installed, or the array module cannot hold bfloat16 (CuPy before 14)."""
+    try:
+        bits = importer(_AsBits(value))
+    except _NotBfloat16:
+        return None
+    except Exception:  # the exporter or importer failed on the relabelled tensor as well: not ours to explain
+        return None
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise TypeError(
+            on_rank(rank, f"{what} is a bfloat16 tensor, which needs ml_dtypes (pip install 'mpidist[bfloat16]')")
+        ) from exc
+    try:
+        return bits.view(ml_dtypes.bfloat16)
+    except Exception as exc:  # an array module without bfloat16
+        module = type(bits).__module__.split(".")[0]
+        version = getattr(sys.modules.get(module), "__version__", "?")
+        raise TypeError(
+            on_rank(
+                rank,
+                f"{what} is a bfloat16 tensor in GPU memory, which {module} {version} cannot hold (CuPy has "
+                "bfloat16 from version 14, with ml_dtypes); update CuPy, or convert it to float32 first",
+            )
+        ) from exc
 
 
 def _is_cupy_array(value: Any) -> bool:
@@ -299,7 +428,10 @@ class Backend:
         they are after a stream synchronisation when MPI is CUDA-aware;
         otherwise their data is copied into a pinned host buffer (reused
         between calls when ``reuse``; pass ``reuse=False`` for buffers that
-        stay in flight, as in nonblocking calls).
+        stay in flight, as in nonblocking calls). A 16-bit float array
+        (:data:`HALF_FLOATS`) comes back as its bit patterns, a ``uint16``
+        view (staged as such), which MPI moves as it is: neither NumPy's
+        buffer protocol nor DLPack can hand MPI a bfloat16 buffer.
 
         The one place that makes device buffers ready for MPI: a device array
         reaches MPI only after this ran for it, or for the other buffer of the
@@ -307,8 +439,10 @@ class Backend:
         arrays go to MPI directly.
         """
         if not is_device_array(array):
-            return array
+            return array if array.dtype.char not in HALF_FLOATS else array.view(np.uint16)
         self.synchronize()
+        if array.dtype.char in HALF_FLOATS:
+            array = array.view(np.uint16)
         if not self.needs_staging(array, cuda_aware):
             return array
         host = self._pinned_like(array, reuse)
@@ -317,9 +451,10 @@ class Backend:
         return host
 
     def from_mpi(self, array: Array, buffer: Array) -> None:
-        """Copy what MPI wrote into ``buffer`` (from :meth:`to_mpi`) back into ``array``."""
-        if buffer is not array:
-            device: Any = array  # a staged CuPy array: .set() is not a member of Array
+        """Copy what MPI wrote into ``buffer`` (from :meth:`to_mpi`) back into ``array``, if it was staged."""
+        if buffer is not array and is_device_array(array) and not is_device_array(buffer):
+            # a staged CuPy array (.set() is not a member of Array), as the bits to_mpi staged
+            device: Any = array if array.dtype.char not in HALF_FLOATS else array.view(np.uint16)
             device.set(buffer)
             self.synchronize()
 

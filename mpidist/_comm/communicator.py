@@ -31,9 +31,11 @@ from mpidist._comm import overflow
 from mpidist._comm.abort import install_exit_hook
 from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
-from mpidist._comm.backend import Backend, array_module, as_array, is_device_array
+from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, as_array, is_device_array
 from mpidist._comm.cuda_aware import resolve_cuda_aware
+from mpidist._comm.exchange import Exchange, send_counts
 from mpidist._comm.fusion import Fusion, UpdateFn
+from mpidist._comm.half import Widening
 from mpidist._comm.handle import Handle
 from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
@@ -135,7 +137,11 @@ class Communicator:
         self._transport.yield_while_waiting = self.local_size > cores and "mpich" in library_version().lower()
         self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self.cuda_aware = self.cuda_awareness.enabled
-        self._fusion = Fusion(self._transport, self._agreement, self._algorithms, self.backend, self.cuda_aware)
+        self._widening = Widening(self._transport, self._algorithms, self.backend, self.cuda_aware)
+        self._fusion = Fusion(
+            self._transport, self._agreement, self._algorithms, self.backend, self.cuda_aware, self._widening
+        )
+        self._exchange = Exchange(self._transport, self.backend, self.cuda_aware)
         self._choose = self._algorithms.choose
         self._node_communicator: Optional[Communicator] = None
 
@@ -174,6 +180,49 @@ class Communicator:
                     else Communicator(self._topology.node, self.options, self.backend)
                 )
         return self._node_communicator
+
+    def split(self, color: Optional[int], key: Optional[int] = None, **options: Any) -> Optional[Communicator]:
+        """Collective over this communicator: a new communicator over the ranks that pass the same ``color``.
+
+        A *process set*: the ranks of one colour (a non-negative integer),
+        ordered by ``key`` (an integer; default: their rank here), with their
+        own private MPI communicator and so their own agreement and collective
+        numbers; collectives of different sets, and of this communicator,
+        never match each other, in whatever order they interleave.
+        ``color=None``: this rank joins no set and gets ``None``. A colour or
+        key that is not one on one rank raises on every rank of this
+        communicator.
+
+        ``options`` override this communicator's options (which the set
+        inherits); the ranks of each set agree on them when the set is
+        created, as in :class:`Communicator`, so different sets may use
+        different options. The set's arrays live where this rank's do (the
+        same GPU), unless ``device`` is given. Free it with :meth:`free`
+        (collective over the set); it does not depend on this communicator,
+        which may be freed first.
+        """
+        error: Optional[Exception] = None
+        for what, value, kind in (("color", color, "a non-negative integer"), ("key", key, "an integer")):
+            integral = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            if value is not None and not (integral and (what == "key" or value >= 0)):
+                error = ValueError(on_rank(self.rank, f"split: {what} must be {kind} or None, got {value!r}"))
+        mpi_color = MPI.UNDEFINED if error is not None or color is None else int(color)
+        mpi_key = self.rank if error is not None or key is None else int(key)
+
+        def then(_: Optional[np.ndarray]) -> Optional[MPI.Intracomm]:
+            comm = self._transport.call("split", self._comm.Split, mpi_color, mpi_key)
+            return None if comm == MPI.COMM_NULL else comm
+
+        comm = self._agreed(Call(Kind.SPLIT, "process sets"), error, then, blocking=True)
+        if comm is None:
+            return None
+        inherited = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}
+        try:
+            return Communicator(
+                comm, backend=None if "device" in options else self.backend, overrides={**inherited, **options}
+            )
+        finally:
+            comm.Free()
 
     def free(self) -> None:
         """Collective: complete the handles still in flight (in start order), then release the duplicated
@@ -280,7 +329,91 @@ class Communicator:
         passes the same shape, of at least one dimension (a 0-d array is a
         ``ValueError``, on every rank). Returns this rank's block as a new array.
         """
-        return self._reduce_scatter(array, op, counts, name)
+        return self._reduce_scatter(array, op, counts, name, blocking=True)
+
+    def ireduce_scatter(
+        self,
+        array: Array,
+        op: Union[ReduceOp, str] = ReduceOp.SUM,
+        counts: Optional[Sequence[int]] = None,
+        *,
+        name: str = "array",
+    ) -> Handle:
+        """Collective, nonblocking :meth:`reduce_scatter`: returns a :class:`Handle`.
+
+        Don't touch ``array`` until ``handle.wait()`` returned. With
+        ``options.check_overflow``, an integer ``SUM`` is reduced whole (as a
+        nonblocking allreduce of its 64-bit form), and ``wait()`` raises
+        :class:`~mpidist.IntegerOverflowError` on every rank when a sum does
+        not fit.
+        """
+        return self._reduce_scatter(array, op, counts, name, blocking=False)
+
+    def alltoall(self, array: Array, splits: Optional[Any] = None, *, name: str = "array") -> tuple[Any, np.ndarray]:
+        """Collective: ``splits[r]`` rows of ``array`` to rank ``r``; returns ``(received, received_splits)``.
+
+        Axis 0 of ``array`` is cut in order: the first ``splits[0]`` rows go
+        to rank 0, the next ``splits[1]`` to rank 1, and so on. ``splits`` is
+        one non-negative integer per rank adding up to ``array.shape[0]`` (a
+        list, or a 1-d integer array of any library); each rank passes its
+        own. ``None`` splits the rows evenly: then every rank passes
+        ``splits=None`` and the same shape, whose length is a multiple of the
+        number of ranks.
+
+        ``received`` holds the rows every rank sent to this one, in rank
+        order, as a new array of ``array``'s module (a device array for a
+        device input); ``received_splits`` (a NumPy ``int64`` array of one
+        count per rank) says how many rows came from each, as in Horovod.
+        The dtype and the dimensions after axis 0 must agree; lengths along
+        axis 0 may differ. Bad splits on one rank (not one integer per rank,
+        negative, not adding up to the rows) raise ``ValueError`` there and
+        :class:`~mpidist.CollectiveMismatchError` on the others, before any
+        data moves; so does a 0-d array, which has no axis 0.
+
+        The data moves in one ``MPI_Alltoall`` for even splits; otherwise the
+        counts travel first (one ``MPI_Alltoall`` of one integer per rank),
+        then the rows (one ``MPI_Alltoallv``).
+        """
+        return self._alltoall(array, splits, name, blocking=True)
+
+    def ialltoall(self, array: Array, splits: Optional[Any] = None, *, name: str = "array") -> Handle:
+        """Collective, nonblocking :meth:`alltoall`: returns a :class:`Handle` whose ``wait()`` gives
+        ``(received, received_splits)``.
+
+        Don't touch ``array`` until ``handle.wait()`` returned. With splits of
+        each rank's own, the counts are exchanged (a blocking exchange of one
+        integer per rank) as the data stage starts: when the ranks' agreement
+        on the call completes, in ``handle.test()``, ``handle.wait()`` or this
+        rank's next collective, or at once with ``check_collectives`` off.
+        The rows then move in the background; completing the handle makes no
+        further collective call.
+        """
+        return self._alltoall(array, splits, name, blocking=False)
+
+    def gather(self, array: Array, root: int = 0, *, name: str = "array") -> Optional[Any]:
+        """Collective: every rank's ``array`` concatenated along axis 0 on rank ``root``; ``None`` on the others.
+
+        :meth:`allgather` to one rank: the rows arrive in rank order, as a
+        new array of the root's array module, and the other ranks send their
+        own data and receive nothing. Lengths along axis 0 may differ between
+        ranks; the dtype, the dimensions after axis 0 and ``root`` must agree.
+        A 0-d array counts as one element.
+        """
+        return self._gather(array, root, name)
+
+    def scatter(self, arrays: Optional[Sequence[Array]], root: int = 0, *, name: str = "array") -> Any:
+        """Collective: rank ``root``'s ``arrays[r]`` to rank ``r``; returns this rank's array.
+
+        On the root, ``arrays`` is one array per rank, all of one dtype and
+        array module; their shapes may differ. The other ranks' ``arrays`` is
+        ignored (pass ``None``). Every rank gets a new array of the shape and
+        dtype the root gave it, in the communicator's array module (CuPy on a
+        GPU communicator, else NumPy); only the root sends more than its own
+        data. ``root`` must agree. ``arrays`` that are not one array per rank
+        of one dtype raise on the root, and
+        :class:`~mpidist.CollectiveMismatchError` on the others.
+        """
+        return self._scatter(arrays, root, name)
 
     def barrier(self) -> None:
         """Collective: return once every rank has entered (honours the timeout)."""
@@ -549,13 +682,19 @@ class Communicator:
             return target if blocking else ([], lambda: target)
         if target is not array:  # reduced in place: the output form never changes the MPI calls
             target[...] = array  # before to_mpi, which synchronises a device array's stream
+        what = f"allreduce of {name!r}"
+        if array.dtype.char in HALF_FLOATS:  # 16-bit floats: in float32 pieces, rounded once
+            if blocking:
+                self._widening.reduce(what, target.reshape(-1), op)
+                return target
+            requests, complete = self._widening.start(what, target.reshape(-1), op)
+            return requests, lambda: (complete(), target)[1]
         recv = self.backend.to_mpi(target, self.cuda_aware, reuse=blocking)
         mpi_op = self._transport.mpi_op(op, array.dtype)
         flat_recv, flat_target = recv.reshape(-1), target.reshape(-1)
         reduction = self._choose(target.nbytes)
         ranges = reduction.pieces(target)
         pieces = [flat_recv[lo:hi] for lo, hi in ranges]
-        what = f"allreduce of {name!r}"
         staged = recv is not target
 
         def finish() -> Any:
@@ -576,34 +715,36 @@ class Communicator:
     def _checked(self, op: Optional[ReduceOp], array: Array) -> bool:
         return self.options.check_overflow and overflow.applies(op, array.dtype)
 
-    def _checked_sum(self, array: Array, name: str) -> Any:
+    def _checked_sum(self, array: Array, name: str, blocking: bool = True) -> Any:
         """Collective, once agreed: the exact SUM of every rank's integer ``array``, flat, as a new array.
 
         Raises :class:`~mpidist.IntegerOverflowError` on every rank when a sum
-        does not fit the dtype (see :mod:`~mpidist._comm.overflow`).
+        does not fit the dtype (see :mod:`~mpidist._comm.overflow`). Nonblocking:
+        the data stage (requests, and the step that returns the sum or raises).
         """
         wide = overflow.widen(array)
+        if not blocking:
+            requests, reduced = self._reduce_data(wide, wide, ReduceOp.SUM, name, blocking=False, check=False)
+            return requests, lambda: overflow.narrow(reduced(), array.dtype, name, self.rank)
         self._reduce_data(wide, wide, ReduceOp.SUM, name, blocking=True, check=False)
         return overflow.narrow(wide, array.dtype, name, self.rank)
 
     def _one_call(self, target: Array) -> bool:
-        """Local: whether MPI may reduce into ``target`` with one call, as it is: small, and on the host.
+        """Local: whether MPI may reduce into ``target`` with one call, as it is: small, on the host, and not
+        of a 16-bit float dtype (reduced through float32: :mod:`~mpidist._comm.half`).
 
         Device arrays always go through :meth:`Backend.to_mpi`, which synchronises their stream
         (a host ``target`` has a host input: :func:`~mpidist._comm.agreement.validate_out`).
         """
-        return target.nbytes <= self.options.piece_bytes and not is_device_array(target)
+        return (
+            target.nbytes <= self.options.piece_bytes
+            and not is_device_array(target)
+            and target.dtype.char not in HALF_FLOATS
+        )
 
     def _broadcast(self, array: Array, root: Any, name: str, blocking: bool) -> Any:
         # root: Any, what the user passed (checked here)
-        error: Optional[Exception] = None
-        if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < self.size:
-            error = ValueError(
-                on_rank(
-                    self.rank, f"broadcast of {name!r}: root {root!r} is not a rank of a {self.size}-rank communicator"
-                )
-            )
-            root = 0
+        root, error = self._checked_root(root, f"broadcast of {name!r}")
         if array.__class__ is not np.ndarray:
             array, _, error = self._converted(array, None, name, error)
         error = error or validate(array, None, name, self.rank, writable=True)
@@ -651,11 +792,13 @@ class Communicator:
             send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
 
-            def finish() -> Any:
+            # mpi4py's nonblocking Allgatherv keeps no reference to its buffers: this step holds the staged
+            # input (a pinned copy of a device array) until MPI is done reading it
+            def finish(_held: tuple = (send, recv)) -> Any:
                 self.backend.from_mpi(result, recv)
                 return result
 
-            dtype = MPI.Datatype.fromcode(array.dtype.char)
+            dtype = MPI.Datatype.fromcode(send.dtype.char)  # what to_mpi hands over (16-bit floats: their bits)
             args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counts.tolist(), displs.tolist()), dtype])
             if not blocking:
                 return [self._transport.start("Allgatherv", *args)], finish
@@ -665,19 +808,11 @@ class Communicator:
         return self._agreed(call, error, then, blocking, keep=(array, out))
 
     def _reduce_scatter(
-        self, array: Array, requested: Union[ReduceOp, str], counts: Optional[Sequence[int]], name: str
+        self, array: Array, requested: Union[ReduceOp, str], counts: Optional[Sequence[int]], name: str, blocking: bool
     ) -> Any:
         op, error = self._op(requested)
         array, _, error = self._converted(array, None, name, error)
-        error = error or validate(array, op, name, self.rank)
-        if error is None and array.ndim == 0:
-            error = ValueError(
-                on_rank(
-                    self.rank,
-                    f"reduce_scatter of {name!r}: a 0-d array (shape ()) has no axis 0 to split over the ranks; "
-                    "pass an array of at least one dimension (for example array.reshape(1))",
-                )
-            )
+        error = error or validate(array, op, name, self.rank) or self._no_axis_0(array, f"reduce_scatter of {name!r}")
         rows = array.shape[0] if error is None else 0
         split: list[int] = []
         if error is None:
@@ -703,27 +838,131 @@ class Communicator:
         def then(_: Optional[np.ndarray]) -> Any:
             assert op is not None  # then runs only once every rank's arguments were valid
             row = int(np.prod(array.shape[1:], dtype=np.int64))
+            shape = (split[self.rank],) + tuple(array.shape[1:])
             if self._checked(op, array):  # the whole exact sum, then this rank's block of it
                 start = sum(split[: self.rank]) * row
-                block = self._checked_sum(array, name)[start : start + split[self.rank] * row]
-                return block.reshape((split[self.rank],) + tuple(array.shape[1:]))
-            result = array_module(array).empty((split[self.rank],) + tuple(array.shape[1:]), dtype=array.dtype)
-            send = self.backend.to_mpi(array, self.cuda_aware)
-            recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
-            self._transport.run(
-                f"reduce_scatter of {name!r}",
-                "Reduce_scatter",
-                send,
-                recv,
-                [c * row for c in split],
-                self._transport.mpi_op(op, array.dtype),
-            )
-            self.backend.from_mpi(result, recv)
-            if op is ReduceOp.MEAN:
-                divide_in_place(result, self.size)
-            return result
 
-        return self._agreed(call, error, then, blocking=True)
+                def block(summed: Array) -> Any:
+                    return summed[start : start + split[self.rank] * row].reshape(shape)
+
+                if not blocking:
+                    requests, summed = self._checked_sum(array, name, blocking=False)
+                    return requests, lambda: block(summed())
+                return block(self._checked_sum(array, name))
+            # 16-bit floats: a float32 copy of the input is reduced, and the block rounded once (mpidist._comm.half)
+            source = array.astype(np.float32) if array.dtype.char in HALF_FLOATS else array
+            result = array_module(array).empty(shape, dtype=source.dtype)
+            send = self.backend.to_mpi(source, self.cuda_aware, reuse=blocking)
+            recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
+            args = (send, recv, [c * row for c in split], self._transport.mpi_op(op, source.dtype))
+
+            def finish() -> Any:
+                # holds the buffers (args) until the transfer completed: mpi4py's Ireduce_scatter keeps no reference
+                self.backend.from_mpi(result, args[1])
+                if op is ReduceOp.MEAN:
+                    divide_in_place(result, self.size)
+                return result if source is array else result.astype(array.dtype)
+
+            if not blocking:
+                return [self._transport.start("Reduce_scatter", *args)], finish
+            self._transport.run(f"reduce_scatter of {name!r}", "Reduce_scatter", *args)
+            return finish()
+
+        return self._agreed(call, error, then, blocking, keep=(array,))
+
+    def _alltoall(self, array: Array, splits: Any, name: str, blocking: bool) -> Any:
+        array, _, error = self._converted(array, None, name, None)
+        error = error or validate(array, None, name, self.rank) or self._no_axis_0(array, f"alltoall of {name!r}")
+        counts: list[int] = []
+        if error is None:
+            try:
+                counts = send_counts(splits, array.shape[0], self.size)
+            except ValueError as exc:
+                error = ValueError(on_rank(self.rank, f"alltoall of {name!r}: {exc}"))
+            except Exception as exc:  # whatever another library raises reading splits: this rank's error, agreed
+                error = exc
+        even = splits is None
+        call = Call(
+            Kind.ALLTOALL, name, None, *_layout(array, error), extra=(counts[0],) if even and error is None else None
+        )
+        what = f"alltoall of {name!r}"
+
+        def then(_: Optional[np.ndarray]) -> Any:
+            return self._exchange.alltoall(array, counts, even, what, blocking)
+
+        return self._agreed(call, error, then, blocking, keep=(array,))
+
+    def _gather(self, array: Array, root: Any, name: str) -> Optional[Any]:
+        # root: Any, what the user passed (checked here)
+        root, error = self._checked_root(root, f"gather of {name!r}")
+        array, _, error = self._converted(array, None, name, error)
+        error = error or validate(array, None, name, self.rank)
+        call = Call(Kind.GATHER, name, None, *_layout(array, error), root=root)
+        return self._agreed(
+            call, error, lambda _: self._exchange.gather(array, root, f"gather of {name!r}"), blocking=True
+        )
+
+    def _scatter(self, arrays: Any, root: Any, name: str) -> Any:
+        # arrays, root: Any, what the user passed (checked here; arrays only on the root)
+        root, error = self._checked_root(root, f"scatter of {name!r}")
+        mine: Optional[list[Any]] = None
+        if error is None and self.rank == root:
+            mine, error = self._scatter_arrays(arrays, name)
+        call = Call(Kind.SCATTER, name, root=root)
+        return self._agreed(call, error, lambda _: self._exchange.scatter(mine, root, f"scatter of {name!r}"), True)
+
+    def _scatter_arrays(self, arrays: Any, name: str) -> tuple[Optional[list[Any]], Optional[Exception]]:
+        """Local, on a scatter's root: its ``arrays`` as NumPy or CuPy arrays, or the error saying why they are not
+        one array per rank of one dtype and array module."""
+        what = f"scatter of {name!r}"
+        try:
+            given = list(arrays)
+        except TypeError:
+            given = None
+        if given is None or len(given) != self.size:
+            got = f"{len(given)} items" if given is not None else f"a {type(arrays).__name__}"
+            return None, ValueError(
+                on_rank(self.rank, f"{what}: the root passes a list of {self.size} arrays, one per rank; got {got}")
+            )
+        converted = []
+        for r, item in enumerate(given):
+            array, _, error = self._converted(item, None, f"{name}[{r}]", None)
+            error = error or validate(array, None, f"{name}[{r}]", self.rank)
+            if error is not None:
+                return None, error
+            converted.append(array)
+        first = converted[0]
+        for r, array in enumerate(converted):
+            if array.dtype != first.dtype or array.__class__ is not first.__class__:
+                return None, ValueError(
+                    on_rank(
+                        self.rank,
+                        f"{what}: every array must be of one dtype and array module; {name}[0] is a "
+                        f"{type(first).__module__} {first.dtype} array, {name}[{r}] a "
+                        f"{type(array).__module__} {array.dtype} one",
+                    )
+                )
+        return converted, None
+
+    def _checked_root(self, root: Any, what: str) -> tuple[int, Optional[Exception]]:
+        """Local: ``root`` (what the user passed) as a rank of this communicator; else 0, and the error saying why."""
+        if isinstance(root, (int, np.integer)) and not isinstance(root, bool) and 0 <= root < self.size:
+            return int(root), None
+        return 0, ValueError(
+            on_rank(self.rank, f"{what}: root {root!r} is not a rank of a {self.size}-rank communicator")
+        )
+
+    def _no_axis_0(self, array: Array, what: str) -> Optional[Exception]:
+        """Local: the error for a 0-d ``array`` passed to a collective that splits axis 0 (``None`` otherwise)."""
+        if array.ndim:
+            return None
+        return ValueError(
+            on_rank(
+                self.rank,
+                f"{what}: a 0-d array (shape ()) has no axis 0 to split over the ranks; "
+                "pass an array of at least one dimension (for example array.reshape(1))",
+            )
+        )
 
     def _agreed(
         self,

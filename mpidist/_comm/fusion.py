@@ -36,8 +36,9 @@ import numpy as np
 from mpidist._comm import overflow
 from mpidist._comm.agreement import Agreement, Call, Kind, update_identity, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
-from mpidist._comm.backend import Backend, array_module, data_pointer, is_device_array
+from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, data_pointer, is_device_array
 from mpidist._comm.flat_store import joinable, span
+from mpidist._comm.half import Widening
 from mpidist._comm.handle import Handle
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.transport import Transport
@@ -55,13 +56,21 @@ UpdateFn = Callable[["Array", "Array"], Any]  # fn(target, reduced values), see 
 class Fusion:
     """Fused reductions over ``transport``; holds the reusable buckets (one per array module and dtype).
 
-    Local construction. Every method is collective over the transport's communicator.
+    Local construction. Every method is collective over the transport's communicator. 16-bit floats
+    are reduced through float32 by ``widening`` (:mod:`~mpidist._comm.half`).
     """
 
     def __init__(
-        self, transport: Transport, agreement: Agreement, algorithms: Algorithms, backend: Backend, cuda_aware: bool
+        self,
+        transport: Transport,
+        agreement: Agreement,
+        algorithms: Algorithms,
+        backend: Backend,
+        cuda_aware: bool,
+        widening: Widening,
     ) -> None:
         self._transport = transport
+        self._widening = widening
         self._agreement = agreement
         self._choose = algorithms.choose
         self._backend = backend
@@ -303,6 +312,11 @@ class Fusion:
             requests: list[Any] = []
             steps: list[Callable[[], None]] = []
             for out in copies:
+                if out.dtype.char in HALF_FLOATS:  # through float32, rounded once when complete
+                    started, complete = self._widening.start(what, out, op)
+                    requests += started
+                    steps.append(complete)
+                    continue
                 host = self._backend.to_mpi(out, self._cuda_aware, reuse=False)
                 reduction = self._choose(host.nbytes)
                 started, complete = reduction.start(
@@ -422,9 +436,12 @@ class Fusion:
             if source is buf:
                 backend.from_mpi(buf, host)
             return source
-        mpi_op = t.mpi_op(op, buf.dtype)
         if send is not None:  # reduced in place: the output form never changes the MPI calls
             buf[...] = send  # before to_mpi, which synchronises a device array's stream
+        if buf.dtype.char in HALF_FLOATS:  # through float32, rounded once (MEAN included)
+            self._widening.reduce(what, buf, op)
+            return buf
+        mpi_op = t.mpi_op(op, buf.dtype)
         if not is_device_array(buf):
             self._choose(buf.nbytes).reduce(what, buf, mpi_op)
         else:

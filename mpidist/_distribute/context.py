@@ -7,7 +7,8 @@ order. *Replica context* is code inside ``strategy.run(fn)``: ``fn`` sees
 this rank's components as plain arrays.
 
 The context stack is per thread; a scope may be entered again and nested
-in itself, never inside another strategy's scope. Nothing here communicates by
+in itself, never inside another strategy's scope (except a process set's, in
+the scope of the strategy it was split from). Nothing here communicates by
 itself; :meth:`ReplicaContext.merge_call`, :meth:`ReplicaContext.all_reduce`
 and :meth:`ReplicaContext.all_gather` are collective because what they run is.
 """
@@ -65,20 +66,28 @@ class enter_context:
     The object may be entered again, also while it is active (each entry
     pushes a frame, each exit pops one): what ``strategy.scope()`` returns.
     Entering it inside the scope of another strategy raises ``RuntimeError``
-    naming both. A class rather than a generator: it runs on every
+    naming both, unless that strategy is one of ``within`` (those a process
+    set was split from). A class rather than a generator: it runs on every
     ``strategy.run``.
     """
 
-    __slots__ = ("_frame", "_what")
+    __slots__ = ("_frame", "_what", "_within")
 
-    def __init__(self, strategy: MPIStrategy, replica: Optional[ReplicaContext] = None, what: str = "scope()") -> None:
+    def __init__(
+        self,
+        strategy: MPIStrategy,
+        replica: Optional[ReplicaContext] = None,
+        what: str = "scope()",
+        within: tuple[MPIStrategy, ...] = (),
+    ) -> None:
         self._frame = _Frame(strategy, replica)
         self._what = what
+        self._within = within
 
     def __enter__(self) -> MPIStrategy:
         strategy = self._frame.strategy
         top = _top()
-        if top is not None and top.strategy is not strategy:
+        if top is not None and top.strategy is not strategy and not any(top.strategy is s for s in self._within):
             raise _mixing_error(strategy, top.strategy, self._what)
         _stack.frames.append(self._frame)
         return strategy

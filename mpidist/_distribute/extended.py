@@ -245,6 +245,18 @@ class StrategyExtended:
             results.append(gathered if moved_axis is None else array_module(gathered).moveaxis(gathered, 0, moved_axis))
         return pack_sequence_as(value, results)
 
+    def alltoall(self, value: Any, splits: Optional[Any] = None) -> tuple[Any, np.ndarray]:
+        """Collective: the rows of this replica's component of ``value`` dealt out to the replicas; returns
+        ``(received, received_splits)``, this replica's.
+
+        :meth:`Communicator.alltoall <mpidist.Communicator.alltoall>` on the component: ``splits[r]``
+        rows to replica ``r`` (``None``: even splits). TensorFlow's strategies have no alltoall;
+        this one works in both contexts: in cross-replica context on a distributed value (this
+        rank's component), and inside ``strategy.run`` on the replica's own arrays (``run``
+        returns what ``fn`` returns as ``PerReplica`` values).
+        """
+        return self._comm.alltoall(self.local(value), splits, name="alltoall")
+
     def aggregate(self, aggregation: VariableAggregation, value: Array, name: str) -> Any:
         """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array)."""
         local = self.local(value)

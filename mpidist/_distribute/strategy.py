@@ -19,6 +19,7 @@ from mpidist._comm.abort import install_abort_on_error
 from mpidist._comm.backend import Backend
 from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
+from mpidist._comm.transport import duplicate
 from mpidist._distribute.context import checked_replica_context, enter_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
 from mpidist._distribute.mirrors import describe, diverged, fingerprint
@@ -69,13 +70,22 @@ class MPIStrategy:
     def __init__(self, comm: Optional[MPI.Intracomm] = None, **options: Any) -> None:
         # created first: an option or environment variable that fails on one rank raises on every rank,
         # and a rank that never arrives costs the others a timeout, not a wait in MPI_Comm_dup forever
-        self._communicator = Communicator(comm, overrides=options)
-        self.options = self._communicator.options
-        self._own_comm = comm is None
-        self.comm = duplicate_world() if comm is None else comm
-        self._extended = StrategyExtended(self, self._communicator, self.options)
-        self._stopper = Stopper(self._communicator)
+        communicator = Communicator(comm, overrides=options)
+        self._set_up(communicator, duplicate_world() if comm is None else comm, comm is None, None)
+
+    def _set_up(
+        self, communicator: Communicator, comm: MPI.Intracomm, own_comm: bool, parent: Optional[MPIStrategy]
+    ) -> None:
+        """Local: the strategy around ``communicator``, whose ranks ``comm`` spans (freed with it if ``own_comm``)."""
+        self._communicator = communicator
+        self.options = communicator.options
+        self._own_comm = own_comm
+        self.comm = comm
+        self._extended = StrategyExtended(self, communicator, self.options)
+        self._stopper = Stopper(communicator)
         self._number = next(MPIStrategy._created)
+        # the strategies whose scope (or run) this one's scope may be entered in: those it was split from
+        self._outer: tuple[MPIStrategy, ...] = () if parent is None else (parent, *parent._outer)
         if self.options.abort_on_error:
             install_abort_on_error()
 
@@ -106,7 +116,8 @@ class MPIStrategy:
         return self._extended
 
     def __repr__(self) -> str:
-        return f"<MPIStrategy #{self._number}: rank {self.rank} of {self.num_replicas_in_sync}, {self.backend!r}>"
+        of = f", a process set of #{self._outer[0]._number}" if self._outer else ""
+        return f"<MPIStrategy #{self._number}: rank {self.rank} of {self.num_replicas_in_sync}, {self.backend!r}{of}>"
 
     def free(self) -> None:
         """Collective: complete the nonblocking collectives still in flight, then release the communicators this
@@ -116,15 +127,44 @@ class MPIStrategy:
             self._own_comm = False
             self.comm.Free()
 
+    def split(self, color: Optional[int], key: Optional[int] = None, **options: Any) -> Optional[MPIStrategy]:
+        """Collective over this strategy's ranks: a strategy over the ranks that pass the same ``color``.
+
+        A *process set*: the ranks of one colour (a non-negative integer) are
+        its replicas, ordered by ``key`` (default: their rank here); every
+        rank passes its own colour, and ``color=None`` joins no set (the
+        result is then ``None``). Each set has its own communicators
+        (:attr:`comm`, and the :attr:`communicator` its collectives run on)
+        with their own agreement, so collectives of different sets, and of
+        this strategy, never match each other. ``options`` override the
+        options this strategy was created with; the ranks of each set agree
+        on them (see :meth:`~mpidist.Communicator.split`).
+
+        Use the set's strategy inside its own ``scope()``, which may be
+        entered inside the scope (or ``run``) of the strategy it was split
+        from; in there, this strategy's collective methods raise
+        ``RuntimeError``, as another strategy's do. Its :attr:`communicator`
+        can be used anywhere. :meth:`free` (collective over the set) releases
+        it; it does not depend on this strategy, which may be freed first.
+        """
+        checked_replica_context(self, "strategy.split")
+        communicator = self._communicator.split(color, key, **options)
+        if communicator is None:
+            return None
+        strategy = MPIStrategy.__new__(MPIStrategy)
+        strategy._set_up(communicator, duplicate(communicator.mpi_comm, communicator.options.timeout), True, self)
+        return strategy
+
     # -- contexts ------------------------------------------------------------------------
     def scope(self) -> AbstractContextManager[MPIStrategy]:
         """Context manager: cross-replica context of this strategy (variables are created here). Local.
 
         ``with strategy.scope() as s`` gives the strategy. The object may be
         entered again, also nested in itself; inside the scope (or ``run``)
-        of another strategy it raises ``RuntimeError`` naming both.
+        of another strategy it raises ``RuntimeError`` naming both, unless this
+        strategy was split from that one (:meth:`split`).
         """
-        return enter_context(self)
+        return enter_context(self, within=self._outer)
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         """Call ``fn`` in replica context on this rank.

@@ -30,6 +30,7 @@ if _found is not None:
     )
 
 import builtins as _builtins  # noqa: E402
+import ctypes  # noqa: E402
 import numbers  # noqa: E402
 import operator  # noqa: E402
 import threading  # noqa: E402
@@ -322,7 +323,7 @@ def _consume(obj: Any, via: str = "__cuda_array_interface__", **kwargs: Any) -> 
     try:
         exported = getattr(obj, via)
         if via == "__dlpack__":
-            exported(**kwargs)
+            _refuse_bfloat16(exported(**kwargs))
     except AttributeError:
         return None
     finally:
@@ -331,6 +332,25 @@ def _consume(obj: Any, via: str = "__cuda_array_interface__", **kwargs: Any) -> 
     if owner is None:
         raise TypeError(f"{type(obj).__name__} exports {via} but not from a stand-in device array")
     return _new(owner._a.view(), owner._root(), owner._device)
+
+
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+def _refuse_bfloat16(capsule: Any) -> None:
+    """A bfloat16 DLPack tensor is refused, as CuPy 13 refuses it (and CuPy 14 did before it imported bfloat16
+    through DLPack); arrays of ml_dtypes' bfloat16 work otherwise, as in CuPy 14.
+
+    The dtype code is byte 20 of the ``DLTensor`` (after its data pointer, device and ndim), which starts
+    a ``"dltensor"`` capsule's struct and lies 32 bytes into a ``"dltensor_versioned"`` one's.
+    """
+    name = _capsule_name(capsule)
+    offset = {b"dltensor": 0, b"dltensor_versioned": 32}.get(name)
+    if offset is not None and ctypes.c_uint8.from_address(_capsule_pointer(capsule, name) + offset + 20).value == 4:
+        raise NotImplementedError("CuPy does not support bfloat16 yet")
 
 
 def _unwrap(x: Any) -> Any:
