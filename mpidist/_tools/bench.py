@@ -32,6 +32,16 @@ interleaved sample by sample so that they see the same machine load:
 - ``profile``: the 8-byte mirrored update through each layer in turn (the
   agreement alone, the communicator's allreduce, its fused reduce-and-apply,
   ``assign_add``), default settings: where its microseconds go.
+- ``alltoall``: ``comm.alltoall(rows, splits)`` of float32 rows, 8 B and
+  1 KiB to 64 MiB per rank, with even splits (``splits=None``) against one
+  raw ``Alltoall``, and with uneven splits (each rank its own) against the
+  raw ``Alltoall`` of the counts followed by ``Alltoallv``; the raw calls
+  allocate their receive buffer in the call, as mpidist allocates its
+  result; mpidist with every check off up to 64 KiB.
+- ``bfloat16``: the in-place SUM allreduce of bfloat16 arrays (``ml_dtypes``)
+  beside float32 arrays of as many elements, 1 KiB to 64 MiB of float32, and
+  the raw float32 ``Allreduce``; skipped, with a note in the results, where
+  ``ml_dtypes`` is missing or the communicator refuses bfloat16.
 
 Inputs are as a training step leaves them. Before every timed call, mpidist's
 and the baselines' alike, the arrays a step writes (gradients, the buffers of
@@ -94,11 +104,14 @@ __all__ = [
     "Gradients",
     "Variant",
     "add_arguments",
+    "alltoall_variants",
+    "bfloat16_variants",
     "make_strategies",
     "mpi_settings",
     "resnet50_shapes",
     "resnet_variants",
     "run",
+    "uneven_splits",
     "update_variants",
 ]
 
@@ -495,6 +508,122 @@ def bench_safety(bench: Bench) -> None:
         s.free()
 
 
+_ALLTOALL_SIZES = (8, *(1024 * 4**k for k in range(9)))  # bytes per rank: 8 B, then 1 KiB to 64 MiB
+
+
+def uneven_splits(rows: int, rank: int, size: int) -> list[int]:
+    """Local: ``rows`` split over ``size`` ranks unevenly, and differently on each ``rank``.
+
+    Rank ``j`` gets a share weighted ``1 + (rank + j) % size`` (rounded down;
+    the last rank also takes what the rounding leaves), so every rank sends
+    and receives unequal counts.
+    """
+    weights = [1 + (rank + j) % size for j in range(size)]
+    splits = [rows * w // sum(weights) for w in weights]
+    splits[-1] += rows - sum(splits)
+    return splits
+
+
+def _raw_alltoall(comm: MPI.Intracomm, send: np.ndarray) -> Callable[[], Any]:
+    """Even splits by hand: one ``Alltoall`` into a receive buffer allocated in the call."""
+
+    def call() -> Any:
+        recv = np.empty_like(send)
+        comm.Alltoall(send, recv)
+        return recv
+
+    return call
+
+
+def _raw_alltoallv(comm: MPI.Intracomm, send: np.ndarray, splits: list[int]) -> Callable[[], Any]:
+    """Uneven splits by hand: the counts by ``Alltoall``, then the rows by ``Alltoallv`` into a buffer allocated in
+    the call."""
+    send_counts = np.array(splits, np.int32)
+    send_displs = np.zeros_like(send_counts)
+    np.cumsum(send_counts[:-1], out=send_displs[1:])
+    recv_counts, recv_displs = np.empty_like(send_counts), np.zeros_like(send_counts)
+    datatype = MPI.Datatype.fromcode(send.dtype.char)
+
+    def call() -> Any:
+        comm.Alltoall(send_counts, recv_counts)
+        np.cumsum(recv_counts[:-1], out=recv_displs[1:])
+        recv = np.empty(int(recv_counts.sum()), send.dtype)
+        comm.Alltoallv([send, (send_counts, send_displs), datatype], [recv, (recv_counts, recv_displs), datatype])
+        return recv, recv_counts
+
+    return call
+
+
+def alltoall_variants(
+    bench: Bench, strategies: dict[str, MPIStrategy], nbytes: int, even: bool
+) -> tuple[dict[str, Variant], int]:
+    """Local: the variants of the ``alltoall`` case for float32 rows of about ``nbytes`` per rank, and their bytes.
+
+    The rows are ``nbytes / 4`` rounded down to a multiple of the number of
+    ranks (at least one per rank), written before every call.
+    """
+    rows = max(bench.size, nbytes // 4 // bench.size * bench.size)
+    send = np.empty(rows, np.float32)
+    write = bench.gradients.writer([send])
+    splits = None if even else uneven_splits(rows, bench.rank, bench.size)
+    raw = _raw_alltoall(bench.comm, send) if splits is None else _raw_alltoallv(bench.comm, send, splits)
+    variants = {
+        "raw": Variant(raw, write),
+        "mpidist": Variant(functools.partial(strategies["check"].communicator.alltoall, send, splits), write),
+    }
+    if nbytes <= 64 * 1024:
+        variants["mpidist_nocheck"] = Variant(
+            functools.partial(strategies["nocheck"].communicator.alltoall, send, splits), write
+        )
+    return variants, send.nbytes
+
+
+def bench_alltoall(bench: Bench, strategies: dict[str, MPIStrategy], max_bytes: int) -> None:
+    for nbytes in [b for b in _ALLTOALL_SIZES if b <= max_bytes]:
+        for splits in ("even", "uneven"):
+            variants, sent = alltoall_variants(bench, strategies, nbytes, splits == "even")
+            bench.compare("alltoall", f"{nbytes} {splits}", variants)
+            bench.note("alltoall", f"{nbytes} {splits}", bytes=sent)
+
+
+def _bfloat16() -> Any:
+    """``ml_dtypes.bfloat16``, or ``None`` without ``ml_dtypes``."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return ml_dtypes.bfloat16
+
+
+def bfloat16_variants(bench: Bench, strategy: MPIStrategy, nbytes: int, bfloat16: Any) -> dict[str, Variant]:
+    """Local: the variants of the ``bfloat16`` case: in-place SUM allreduces of ``nbytes / 4`` elements."""
+    single, half = np.empty(nbytes // 4, np.float32), np.empty(nbytes // 4, bfloat16)
+    write_single, write_half = bench.gradients.writer([single]), bench.gradients.writer([half])
+    return {
+        "raw_float32": Variant(lambda: bench.comm.Allreduce(MPI.IN_PLACE, single, MPI.SUM), write_single),
+        "float32": Variant(_in_place_allreduce(strategy, single), write_single),
+        "bfloat16": Variant(_in_place_allreduce(strategy, half), write_half),
+    }
+
+
+def bench_bfloat16(bench: Bench, strategy: MPIStrategy, max_bytes: int) -> None:
+    bfloat16, skipped = _bfloat16(), None
+    if bfloat16 is None:
+        skipped = "ml_dtypes is not installed"
+    else:
+        try:  # every rank alike: the same dtype, the same version of mpidist
+            strategy.communicator.allreduce(np.ones(2, bfloat16), inplace=True, name="bfloat16 probe")
+        except (TypeError, ValueError) as exc:
+            skipped = f"the communicator refused bfloat16 ({type(exc).__name__}: {exc})"
+    if skipped is not None:
+        bench.note("bfloat16", "skipped", reason=skipped)
+        if bench.rank == 0:
+            print(f"[bench] bfloat16 skipped: {skipped}", flush=True)
+        return
+    for nbytes in [b for b in _ALLTOALL_SIZES[1:] if b <= max_bytes]:
+        bench.compare("bfloat16", str(nbytes), bfloat16_variants(bench, strategy, nbytes, bfloat16))
+
+
 def bench_profile(bench: Bench, strategy: MPIStrategy) -> None:
     """Where the time of an 8-byte mirrored MEAN update goes: the same update through each layer, default settings."""
     comm = strategy.communicator
@@ -665,7 +794,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
     parser.add_argument(
         "--cases",
-        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile",
+        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile,alltoall,bfloat16",
         help="comma-separated subset of the cases",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) baseline")
@@ -695,6 +824,10 @@ def run(args: argparse.Namespace) -> int:
         bench_safety(bench)
     if "profile" in cases:
         bench_profile(bench, strategies["check"])
+    if "alltoall" in cases:
+        bench_alltoall(bench, strategies, args.max_bytes)
+    if "bfloat16" in cases:
+        bench_bfloat16(bench, strategies["check"], args.max_bytes)
     meta = {
         "ranks": bench.size,
         "mpi": library_version(),

@@ -156,6 +156,41 @@ def _update_row(nbytes: int, e: dict[str, Any], add_gbps: Optional[float]) -> li
     ]
 
 
+def _alltoall_rows(case: dict[str, Any]) -> list[list[str]]:
+    """Rows of the alltoall table: per size (bytes per rank) even splits, then uneven ones."""
+    keyed = sorted((int(key.split()[0]), key.split()[1], e) for key, e in case.items())
+    rows = []
+    for nbytes, splits, e in keyed:
+        m, raw, nocheck = median(e, "mpidist"), median(e, "raw"), median(e, "mpidist_nocheck")
+        rows.append(
+            [
+                human_size(e.get("bytes", nbytes)),
+                splits,
+                _t(raw),
+                _t(m),
+                _ratio(m, raw),
+                _paired(e, "mpidist", "raw"),
+                _t(nocheck),
+                _ratio(nocheck, raw),
+            ]
+        )
+    return rows
+
+
+def _bfloat16_row(nbytes: int, e: dict[str, Any]) -> list[str]:
+    raw, single, half = median(e, "raw_float32"), median(e, "float32"), median(e, "bfloat16")
+    return [
+        f"{nbytes // 4:,}",
+        human_size(nbytes),
+        _t(raw),
+        _t(single),
+        _t(half),
+        _ratio(half, single),
+        _paired(e, "bfloat16", "float32"),
+        _ratio(single, raw),
+    ]
+
+
 def _layers(e: dict[str, Any]) -> list[list[str]]:
     """Rows of the profile: each layer's time and what it adds to the one before (the hand loop for reference)."""
     rows, before = [], None
@@ -332,6 +367,45 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
             "Where an 8-byte mirrored update's time goes (default settings)",
             ["layer", "time", "added by this layer"],
             _layers(profile),
+        )
+    if "alltoall" in results:
+        out += _table(
+            "Alltoall (float32 rows, `comm.alltoall(rows, splits)`)",
+            [
+                "size per rank",
+                "splits",
+                "raw",
+                "mpidist",
+                "mpidist/raw",
+                "mpidist/raw, round by round",
+                "mpidist, check off",
+                "check off/raw",
+            ],
+            _alltoall_rows(results["alltoall"]),
+        )
+        out += [
+            "",
+            "raw: one `Alltoall` for even splits; for uneven ones (each rank its own), the counts by `Alltoall` "
+            "and then the rows by `Alltoallv`; each allocates its receive buffer in the call, as mpidist "
+            "allocates its result.",
+        ]
+    half = results.get("bfloat16", {})
+    if "skipped" in half:
+        out += ["", "## bfloat16 allreduce beside float32", "", f"Not measured: {half['skipped']['reason']}."]
+    elif half:
+        out += _table(
+            "bfloat16 allreduce beside float32 (SUM, in place, as many elements)",
+            [
+                "elements",
+                "float32 size",
+                "raw float32",
+                "mpidist float32",
+                "mpidist bfloat16",
+                "bfloat16/float32",
+                "bfloat16/float32, round by round",
+                "float32/raw",
+            ],
+            (_bfloat16_row(nbytes, e) for nbytes, e in _by_size(half)),
         )
     for nbytes, e in _by_size(results.get("overlap", {})):
         out += [
