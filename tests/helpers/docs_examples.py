@@ -164,6 +164,11 @@ def write_script(block: Block, directory: Path) -> Path:
     script = directory / "example.py"
     script.write_text(
         f'"""{block.name}, as tests/helpers/docs_examples.py runs it."""\n'
+        "import os, sys\n"
+        "# under a launcher, each rank's output goes to a file of its own (launchers may splice lines of ranks)\n"
+        'rank = next((os.environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") if k in os.environ), None)\n'
+        "if rank is not None:\n"
+        '    sys.stdout = open(f"stdout-rank{rank}.txt", "w", buffering=1)\n'
         'namespace = {"__name__": "__main__"}\n'
         f"for line, source in {[(p.line, p.source) for p in parts]!r}:\n"
         f'    exec(compile("\\n" * (line - 1) + source, {str(block.page)!r}, "exec"), namespace)\n'
@@ -171,9 +176,18 @@ def write_script(block: Block, directory: Path) -> Path:
     return script
 
 
+def rank_outputs(directory: Path) -> dict[int, list[str]]:
+    """The lines each rank of a :func:`run_block` under ``mpiexec`` printed, by rank."""
+    return {
+        int(path.stem.removeprefix("stdout-rank")): path.read_text().splitlines()
+        for path in directory.glob("stdout-rank*.txt")
+    }
+
+
 def run_block(block: Block, ranks: Optional[int], directory: Path) -> MPIResult:
     """Run ``block`` in ``directory`` (empty, the working directory): ``python example.py`` for ``ranks``
-    ``None``, else ``mpiexec -n ranks python example.py``."""
+    ``None``, else ``mpiexec -n ranks python example.py``, whose ranks write their output to
+    ``directory/stdout-rankR.txt`` (:func:`rank_outputs`)."""
     script = write_script(block, directory)
     if ranks is None:
         return run_command([sys.executable, script.name], TIMEOUT, env=mpi_env(), cwd=directory)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from docs_examples import TIMEOUT, blocks, run_block
+from docs_examples import TIMEOUT, blocks, rank_outputs, run_block
 from mpirun import run_command
 from paths import REPO
 
@@ -27,7 +27,9 @@ def test_block_runs_under_mpiexec(block, tmp_path):
         directory.mkdir()
         result = run_block(block, ranks, directory)
         assert result.returncode == 0, result.describe()
-        outputs[ranks] = set(result.stdout.splitlines())
+        printed = rank_outputs(directory)
+        assert sorted(printed) == list(range(ranks)), (printed, result.describe())
+        outputs[ranks] = {line for lines in printed.values() for line in lines}
     if block.same_output:
         assert len({frozenset(lines) for lines in outputs.values()}) == 1, outputs
 
