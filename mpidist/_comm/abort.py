@@ -24,6 +24,7 @@ import gc
 import io
 import os
 import sys
+import time
 import traceback
 from types import TracebackType
 from typing import Any, NoReturn, Optional, Union
@@ -35,6 +36,8 @@ from mpidist._comm.deadline import deadline_errors
 from mpidist._errors import on_rank
 
 __all__ = ["install_abort_on_error", "install_exit_hook"]
+
+_FORWARD_PAUSE = 0.2  # seconds between writing the traceback and MPI_Abort (see _abort)
 
 _state: dict[str, Any] = {"abort": False, "exit_code": None, "hooked": False}
 
@@ -53,6 +56,9 @@ def _abort(what: str, lines: list[str], code: int) -> None:
     )
     sys.stderr.write("".join(f"[rank {world.rank}] {line}\n" for line in [banner, *lines]))
     sys.stderr.flush()
+    # MPICH's launcher may tear the job down as soon as it hears of the abort, before it forwarded what
+    # this rank just wrote (seen: a job that ended with status 1 and no traceback); give it a moment
+    time.sleep(_FORWARD_PAUSE)
     world.Abort(code)
 
 
