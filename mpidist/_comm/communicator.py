@@ -33,7 +33,7 @@ from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_ou
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, as_array, is_device_array
 from mpidist._comm.cuda_aware import resolve_cuda_aware
-from mpidist._comm.exchange import Exchange, send_counts
+from mpidist._comm.exchange import Exchange, mpi_datatype, offsets, send_counts
 from mpidist._comm.fusion import Fusion, UpdateFn
 from mpidist._comm.half import Widening
 from mpidist._comm.handle import Handle
@@ -787,19 +787,20 @@ class Communicator:
             if wrong:
                 self._refuse_gather_out(wrong, (total,) + shape[1:], out, name)
             counts = lengths * int(np.prod(shape[1:], dtype=np.int64))
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
             result = out if out is not None else array_module(array).empty((total,) + shape[1:], dtype=array.dtype)
             send = self.backend.to_mpi(array, self.cuda_aware, reuse=False)
             recv = self.backend.to_mpi(result, self.cuda_aware, reuse=False)
 
-            # mpi4py's nonblocking Allgatherv keeps no reference to its buffers: this step holds the staged
-            # input (a pinned copy of a device array) until MPI is done reading it
-            def finish(_held: tuple = (send, recv)) -> Any:
-                self.backend.from_mpi(result, recv)
+            # held by the finishing step until the transfer completed (mpi4py's nonblocking Allgatherv keeps no
+            # reference to its buffers, and MPI reads the staged copy of a device input until then)
+            buffers = (send, recv)
+
+            def finish() -> Any:
+                self.backend.from_mpi(result, buffers[1])
                 return result
 
-            dtype = MPI.Datatype.fromcode(send.dtype.char)  # what to_mpi hands over (16-bit floats: their bits)
-            args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counts.tolist(), displs.tolist()), dtype])
+            dtype = mpi_datatype(send)
+            args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counts.tolist(), offsets(counts)), dtype])
             if not blocking:
                 return [self._transport.start("Allgatherv", *args)], finish
             self._transport.run(what, "Allgatherv", *args)

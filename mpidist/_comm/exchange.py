@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from mpidist._comm.handle import Stage
     from mpidist._typing import Array
 
-__all__ = ["Exchange", "send_counts"]
+__all__ = ["Exchange", "mpi_datatype", "offsets", "send_counts"]
 
 _MAX_DIMS = 64  # NumPy's limit
 _NAME_SLOTS = 2  # int64 slots of a scatter header that spell the dtype's name (16 bytes)
@@ -80,12 +80,12 @@ def _integers(splits: Any) -> list[int]:
     return [int(c) for c in items]
 
 
-def _datatype(buffer: Array) -> MPI.Datatype:
+def mpi_datatype(buffer: Array) -> MPI.Datatype:
     """The MPI datatype of the elements of ``buffer``, a buffer from :meth:`Backend.to_mpi`."""
     return MPI.Datatype.fromcode(buffer.dtype.char)
 
 
-def _offsets(counts: np.ndarray) -> list[int]:
+def offsets(counts: np.ndarray) -> list[int]:
     """Where each of ``counts`` consecutive blocks starts."""
     return [0, *np.cumsum(counts)[:-1].tolist()]
 
@@ -122,15 +122,15 @@ class Exchange:
         result = array_module(array).empty((int(receives.sum()),) + tail, dtype=array.dtype)
         send = backend.to_mpi(array, self._cuda_aware, reuse=blocking)
         recv = backend.to_mpi(result, self._cuda_aware, reuse=False)
-        kind = _datatype(send)
+        kind = mpi_datatype(send)
         if even:
             mpi_name, args = "Alltoall", ([send.reshape(-1), kind], [recv.reshape(-1), kind])
         else:
             sent, received = sends * row, receives * row
             mpi_name = "Alltoallv"
             args = (
-                [send.reshape(-1), (sent.tolist(), _offsets(sent)), kind],
-                [recv.reshape(-1), (received.tolist(), _offsets(received)), kind],
+                [send.reshape(-1), (sent.tolist(), offsets(sent)), kind],
+                [recv.reshape(-1), (received.tolist(), offsets(received)), kind],
             )
 
         buffers = (send, recv)  # held by the finishing step until the transfer completed (MPI reads send till then)
@@ -154,7 +154,7 @@ class Exchange:
         lengths = np.empty(t.size, dtype=np.int64) if t.rank == root else None
         t.run(f"{what} (lengths)", "Gather", np.array([shape[0]], dtype=np.int64), lengths, root)
         send = backend.to_mpi(array, self._cuda_aware)
-        kind = _datatype(send)
+        kind = mpi_datatype(send)
         if lengths is None:
             t.run(what, "Gatherv", [send.reshape(-1), kind], None, root)
             return None
@@ -165,7 +165,7 @@ class Exchange:
             what,
             "Gatherv",
             [send.reshape(-1), kind],
-            [recv.reshape(-1), (counts.tolist(), _offsets(counts)), kind],
+            [recv.reshape(-1), (counts.tolist(), offsets(counts)), kind],
             root,
         )
         backend.from_mpi(result, recv)
@@ -184,13 +184,13 @@ class Exchange:
         dtype, shape = _read_header(header)
         result = backend.xp.empty(shape, dtype=dtype)
         recv = backend.to_mpi(result, self._cuda_aware, reuse=False)
-        kind = _datatype(recv)
+        kind = mpi_datatype(recv)
         packed: Any = None
         if arrays is not None:
             xp = array_module(arrays[0])
             joined = xp.concatenate([a.reshape(-1) for a in arrays])
             sizes = np.array([a.size for a in arrays], dtype=np.int64)
-            packed = [backend.to_mpi(joined, self._cuda_aware), (sizes.tolist(), _offsets(sizes)), kind]
+            packed = [backend.to_mpi(joined, self._cuda_aware), (sizes.tolist(), offsets(sizes)), kind]
         t.run(what, "Scatterv", packed, [recv.reshape(-1), kind], root)
         backend.from_mpi(result, recv)
         return result
