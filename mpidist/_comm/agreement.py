@@ -451,18 +451,26 @@ class Agreement:
 
     # -- starting and completing -------------------------------------------------------------
     def agree(
-        self, call: Call, error: Optional[Exception] = None, data: CallData = None, check_finite: bool = False
+        self,
+        call: Call,
+        error: Optional[Exception] = None,
+        data: CallData = None,
+        check_finite: bool = False,
+        carry: Optional[int] = None,
     ) -> Optional[np.ndarray]:
-        """Collective: agree on ``call`` (blocking); returns the reduced ``data`` slots, if they were carried.
+        """Collective: agree on ``call`` (blocking); returns the summed data slots, if the record carried data.
 
         ``error`` is this rank's own problem with its arguments: it is raised
         here, on this rank, once every rank has seen that it exists; the
         other ranks raise :class:`~mpidist.CollectiveMismatchError` naming
-        this rank and the error. (The per-collective path: kept short.)
+        this rank and the error. ``carry``: how many values of ``data`` (a
+        float64 image of the data slots, see :meth:`plan`) the record
+        carries; ``None`` carries a small host reduction's own data
+        (:func:`carried`). (The per-collective path: kept short.)
         """
         if self._pending is not None:
             self._pending.wait()  # the previous nonblocking agreement completes first, on every rank
-        carry, expected = self._fill(call, error, data, check_finite)
+        carry, expected = self._fill(call, error, data, check_finite, carry)
         request = self.request
         request.Start()
         if not request.Test():
@@ -490,17 +498,45 @@ class Agreement:
         plan = self._plans.get(key)
         if plan is None:
             extra = None if update is None else (update_identity(update),)
-            plan = self._plan(key, Call(kind, name, op, array.dtype.char, tuple(array.shape), extra=extra), array)
-        if self._pending is not None or check_finite or self.stop_requested or self._flags is not _CLEAR:
-            carried = self.agree(plan[0], None, array, check_finite)
-            return None if carried is None else carried.reshape(array.shape)
+            call = Call(kind, name, op, array.dtype.char, tuple(array.shape), extra=extra)
+            carry = array.size if kind is Kind.ALLREDUCE and carried(array, op) else 0
+            plan = self.plan(key, call, carry, tuple(array.shape))
+        return self.agree_planned(plan, array, check_finite)
+
+    def plan(self, key: tuple, call: Call, carry: int, shape: tuple) -> _Plan:
+        """Local: what :meth:`agree_planned` needs for calls like ``call`` (cached per ``key``).
+
+        ``carry``: how many data slots the record carries, whose values come
+        shaped as ``shape`` (their sums come back so shaped); 0 for none.
+        What a rank writes there is its own: the record carries each slot's
+        sum over the ranks, exact for integers below ``2**53`` (a rank that
+        moves values to another writes them into slots that every other rank
+        leaves 0).
+        """
+        if len(self._plans) > 4096:
+            self._plans.clear()
+        mine, expected = self._identity(call, carry)
+        into = self._send[:carry].reshape(shape) if carry else None
+        out = self._recv[:carry].reshape(shape) if carry else None
+        plan = self._plans[key] = (call, carry, mine, expected, into, out)
+        return plan
+
+    def agree_planned(self, plan: _Plan, data: Any, check_finite: bool = False) -> Optional[np.ndarray]:
+        """Collective: :meth:`agree` on the call of ``plan`` (:meth:`plan`), carrying ``data`` if the plan does.
+
+        Returns the carried sums (a view of the record, shaped as planned:
+        copy them out before the next collective), or ``None``.
+        """
         call, carry, mine, expected, into, out = plan
+        if self._pending is not None or check_finite or self.stop_requested or self._flags is not _CLEAR:
+            carried = self.agree(call, None, data, check_finite, carry)
+            return None if carried is None else carried.reshape(out.shape)
         t = self.transport
         if t.broken is not None:
             raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
         t.seq = seq = t.seq + 1
         if carry:
-            into[...] = array
+            into[...] = data
         if self._carried > carry:
             self._send[carry : self._carried] = 0.0
         self._carried = carry
@@ -523,18 +559,6 @@ class Agreement:
         self._verify(call, None, carry, expected)
         return out
 
-    def _plan(self, key: tuple, call: Call, array: Array) -> _Plan:
-        """Local: what :meth:`agree_array` needs for calls like ``call`` (cached per key)."""
-        carry = array.size if call.kind is Kind.ALLREDUCE and carried(array, call.op) else 0
-        if len(self._plans) > 4096:
-            self._plans.clear()
-        mine, expected = self._identity(call, carry)
-        shape = tuple(array.shape)
-        into = self._send[:carry].reshape(shape) if carry else None
-        out = self._recv[:carry].reshape(shape) if carry else None
-        plan = self._plans[key] = (call, carry, mine, expected, into, out)
-        return plan
-
     def start(
         self,
         call: Call,
@@ -542,17 +566,19 @@ class Agreement:
         data: CallData = None,
         check_finite: bool = False,
         then: Optional[Callable[[Optional[np.ndarray]], Any]] = None,
+        carry: Optional[int] = None,
     ) -> Ticket:
         """Collective, nonblocking :meth:`agree`: returns the :class:`Ticket` (``then`` runs on agreement).
 
         ``data`` is this rank's array (or list of arrays) of the call: checked
         for NaN/Inf with ``check_finite``, and carried inside the record when
         it is one small array reduced by ``SUM``/``MEAN`` (:func:`carried`);
-        ``then`` then receives the reduced values as ``float64``.
+        ``then`` then receives the reduced values as ``float64``. ``carry``:
+        as in :meth:`agree`.
         """
         if self._pending is not None:
             self._pending.wait()
-        carry, expected = self._fill(call, error, data, check_finite)
+        carry, expected = self._fill(call, error, data, check_finite, carry)
         ticket = Ticket(self, call, error, carry, expected, then)
         self.transport.call("agreement", self.request.Start)
         self._pending = ticket
@@ -569,22 +595,28 @@ class Agreement:
             ticket.failure = exc
             raise
 
-    def _fill(self, call: Call, error: Optional[Exception], data: Any, check_finite: bool) -> tuple[int, list[float]]:
+    def _fill(
+        self, call: Call, error: Optional[Exception], data: Any, check_finite: bool, carry: Optional[int] = None
+    ) -> tuple[int, list[float]]:
         """Local: write this rank's record of ``call``; returns the carried size and the sums that mean "agreed".
 
-        ``data`` is a :data:`CallData`, typed ``Any`` here: this per-collective path tells one array
-        from a list by ``data.__class__``, which the type checker does not narrow on.
+        ``data`` is a :data:`CallData` (or a float64 image of ``carry`` data slots), typed ``Any``
+        here: this per-collective path tells one array from a list by ``data.__class__``, which the
+        type checker does not narrow on.
         """
         t = self.transport
         if t.broken is not None:
             raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
         t.seq += 1
         send = self._send
-        carry = (
-            data.size
-            if error is None and call.kind is Kind.ALLREDUCE and data.__class__ is not list and carried(data, call.op)
-            else 0
-        )
+        if error is not None:
+            carry = 0
+        elif carry is None:
+            carry = (
+                data.size
+                if call.kind is Kind.ALLREDUCE and data.__class__ is not list and carried(data, call.op)
+                else 0
+            )
         if carry:
             send[:carry] = data.reshape(-1)
         if self._carried > carry:

@@ -872,7 +872,9 @@ class Communicator:
         return self._agreed(call, error, then, blocking, keep=(array,))
 
     def _alltoall(self, array: Array, splits: Any, name: str, blocking: bool) -> Any:
-        array, _, error = self._converted(array, None, name, None)
+        error = None
+        if array.__class__ is not np.ndarray:
+            array, _, error = self._converted(array, None, name, None)
         error = error or validate(array, None, name, self.rank) or self._no_axis_0(array, f"alltoall of {name!r}")
         counts: list[int] = []
         if error is None:
@@ -882,16 +884,26 @@ class Communicator:
                 error = ValueError(on_rank(self.rank, f"alltoall of {name!r}: {exc}"))
             except Exception as exc:  # whatever another library raises reading splits: this rank's error, agreed
                 error = exc
-        even = splits is None
-        call = Call(
-            Kind.ALLTOALL, name, None, *_layout(array, error), extra=(counts[0],) if even and error is None else None
+        if error is not None:
+            return self._agreed(Call(Kind.ALLTOALL, name, None, *_layout(array, error)), error, _nothing, blocking)
+        plan = self._exchange.plan(name, array, counts[0] if splits is None else None)
+        agreement = self._agreement
+        if not agreement.enabled:
+            self._transport.begin()
+            result = self._exchange.alltoall(plan, array, counts, blocking, None)
+            return result if blocking else Handle(self._transport, None, result, keep=(array,))
+        image = plan.image(array, counts)
+        if blocking:
+            if plan.agreed is None:
+                plan.agreed = agreement.plan((plan, "agreed"), plan.call, plan.carry, (plan.carry,))
+            return self._exchange.alltoall(plan, array, counts, True, agreement.agree_planned(plan.agreed, image))
+
+        def then(carried: Optional[np.ndarray]) -> Any:
+            return self._exchange.alltoall(plan, array, counts, False, carried)
+
+        return Handle(
+            self._transport, agreement.start(plan.call, None, image, then=then, carry=plan.carry), keep=(array,)
         )
-        what = f"alltoall of {name!r}"
-
-        def then(_: Optional[np.ndarray]) -> Any:
-            return self._exchange.alltoall(array, counts, even, what, blocking)
-
-        return self._agreed(call, error, then, blocking, keep=(array,))
 
     def _gather(self, array: Array, root: Any, name: str) -> Optional[Any]:
         # root: Any, what the user passed (checked here)
@@ -974,16 +986,16 @@ class Communicator:
         keep: tuple = (),
     ) -> Any:
         """Collective: run ``then`` once the ranks agreed on ``call`` (directly when agreement is off)."""
-        if not self._agreement.enabled:
+        agreement = self._agreement
+        if not agreement.enabled:
             self._transport.begin()
             if error is not None:
                 raise error
             result = then(None)
             return result if blocking else Handle(self._transport, None, result, keep)
-        ticket = self._agreement.start(call, error, then=then)
         if blocking:
-            return ticket.wait()
-        return Handle(self._transport, ticket, keep=keep)
+            return then(agreement.agree(call, error))
+        return Handle(self._transport, agreement.start(call, error, then=then), keep=keep)
 
     def _refuse_gather_out(self, wrong: list[int], shape: tuple, out: Any, name: str) -> NoReturn:
         """Local, on every rank alike: the error for ``out=`` arrays of ranks ``wrong`` that do not fit ``shape``."""
@@ -1027,6 +1039,10 @@ def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Ex
 
 # Options that may differ between ranks: where this rank's arrays live, and what it does on an error.
 _LOCAL_OPTIONS = frozenset({"device", "cuda_aware", "abort_on_error"})
+
+
+def _nothing(_: Optional[np.ndarray]) -> None:
+    """The data stage of a call that a rank's error stops in its agreement (never reached)."""
 
 
 def _shared_options(options: Options) -> tuple[str, ...]:

@@ -22,20 +22,22 @@ bits).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._comm.backend import Backend, array_module, as_array, to_host
+from mpidist._comm.agreement import SMALL, Call, Kind
+from mpidist._comm.backend import Backend, array_module, as_array, is_device_array, to_host
 from mpidist._comm.transport import Transport
 
 if TYPE_CHECKING:
     from mpidist._comm.handle import Stage
     from mpidist._typing import Array
 
-__all__ = ["Exchange", "mpi_datatype", "offsets", "send_counts"]
+__all__ = ["AlltoallPlan", "Exchange", "mpi_datatype", "offsets", "send_counts"]
 
 _MAX_DIMS = 64  # NumPy's limit
 _NAME_SLOTS = 2  # int64 slots of a scatter header that spell the dtype's name (16 bytes)
@@ -80,6 +82,65 @@ def _integers(splits: Any) -> list[int]:
     return [int(c) for c in items]
 
 
+class AlltoallPlan:
+    """What every alltoall of arrays like one needs, worked out once (Local): see :meth:`Exchange.plan`.
+
+    ``call`` is the call the ranks agree on. The agreement record carries an
+    ``N x N`` grid of blocks in its data slots, ``grid[to, from]``, when it
+    fits (``carry`` slots, else 0): each rank fills its own column and leaves
+    the rest 0, so the summed record holds every block, and rank ``r`` reads
+    row ``r``. With even splits a block holds the rows for one rank, as the
+    bits of their elements (unsigned integers of at most 32 bits, exact in
+    ``float64``): the rows arrive with the agreement and no data call
+    follows. With splits of each rank's own a block holds the count: the
+    counts arrive with the agreement and the rows follow in one
+    ``MPI_Alltoallv``. Host arrays only (a device array's rows would have to
+    be copied to the host first).
+    """
+
+    __slots__ = (
+        "call",
+        "what",
+        "count",
+        "tail",
+        "row",
+        "word",
+        "grid",
+        "column",
+        "mine",
+        "carry",
+        "agreed",
+        "datatype",
+    )
+
+    def __init__(self, name: str, array: Array, count: Optional[int], size: int, rank: int) -> None:
+        extra = None if count is None else (count,)
+        self.call = Call(Kind.ALLTOALL, name, None, array.dtype.char, tuple(array.shape), extra=extra)
+        self.what = f"alltoall of {name!r}"
+        self.count = count  # rows to each rank with even splits, else None
+        self.tail = tuple(array.shape[1:])
+        self.row = math.prod(self.tail)
+        self.word = np.dtype(f"u{min(array.dtype.itemsize, 4)}")  # the bits of one element, in 1 to 4 words
+        block = 1 if count is None else count * self.row * array.dtype.itemsize // self.word.itemsize
+        fits = 0 < size * size * block <= SMALL and (count is None or not is_device_array(array))
+        self.carry = size * size * block if fits else 0
+        self.grid = np.zeros((size, size, block))
+        self.column = self.grid[:, rank]  # this rank's blocks: (size, block)
+        self.mine = slice(rank * size * block, (rank + 1) * size * block)  # the blocks sent to this rank
+        self.agreed: Any = None  # the agreement's plan of this call (set by the communicator)
+        self.datatype: Optional[MPI.Datatype] = None  # of the buffers MPI moves (set at the first transfer)
+
+    def image(self, array: Array, counts: list[int]) -> Optional[np.ndarray]:
+        """Local: this rank's data slots of the record for an alltoall of ``array`` (``None`` when none is carried)."""
+        if not self.carry:
+            return None
+        if self.count is None:
+            self.column[:, 0] = counts
+        else:
+            self.column[...] = array.view(self.word).reshape(self.column.shape)  # C-contiguous (validated)
+        return self.grid.reshape(-1)
+
+
 def mpi_datatype(buffer: Array) -> MPI.Datatype:
     """The MPI datatype of the elements of ``buffer``, a buffer from :meth:`Backend.to_mpi`."""
     return MPI.Datatype.fromcode(buffer.dtype.char)
@@ -100,33 +161,57 @@ class Exchange:
         self._transport = transport
         self._backend = backend
         self._cuda_aware = cuda_aware
+        self._plans: dict[tuple, AlltoallPlan] = {}
 
-    def alltoall(self, array: Array, counts: list[int], even: bool, what: str, blocking: bool) -> Any:
+    def plan(self, name: str, array: Array, count: Optional[int]) -> AlltoallPlan:
+        """Local: the :class:`AlltoallPlan` for alltoalls of arrays like ``array`` called ``name`` (cached).
+
+        ``count``: the rows to each rank with even splits, else ``None``.
+        """
+        key = (name, array.dtype.char, array.shape, count, array.__class__)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[key] = AlltoallPlan(name, array, count, self._transport.size, self._transport.rank)
+        return plan
+
+    def alltoall(self, plan: AlltoallPlan, array: Array, counts: list[int], blocking: bool, carried: Any) -> Any:
         """Collective: rows ``counts[r]`` of ``array`` (in order along axis 0) to rank ``r``.
 
         Returns ``(received, received counts)``: the rows from every rank, in rank order, as a new
         array of ``array``'s module, and how many came from each rank (a NumPy ``int64`` array).
-        ``even``: every rank sends ``counts[0]`` rows to every rank (agreed), so no counts travel.
-        Nonblocking: the receive counts are exchanged now, and the data stage is returned (its
-        requests, and the step that completes it, which makes no MPI call).
+        With even splits (``plan.count``, agreed) no counts travel. ``carried``: the sums of the
+        agreement record's data slots, when the ranks' images (:meth:`AlltoallPlan.image`) went
+        there: then the rows (even splits) or the counts arrived with the agreement. Nonblocking:
+        the receive counts are exchanged now, and the data stage is returned (its requests, and
+        the step that completes it, which makes no MPI call).
         """
-        t, backend = self._transport, self._backend
-        tail = tuple(array.shape[1:])
-        row = int(np.prod(tail, dtype=np.int64))
-        sends = np.array(counts, dtype=np.int64)
-        if even:
-            receives = sends.copy()
+        t, backend, n, what = self._transport, self._backend, self._transport.size, plan.what
+        count = plan.count
+        if count is not None:
+            receives = np.array(counts, dtype=np.int64)  # every rank sends each as many rows as it receives
+            rows = n * count
+            if carried is not None:
+                result = carried[plan.mine].astype(plan.word).view(array.dtype).reshape((rows, *plan.tail))
+                return (result, receives) if blocking else ([], lambda: (result, receives))
         else:
-            receives = np.empty(t.size, dtype=np.int64)
-            t.run(f"{what} (counts)", "Alltoall", sends, receives)
-        result = array_module(array).empty((int(receives.sum()),) + tail, dtype=array.dtype)
+            if carried is not None:
+                receives = carried.reshape(n, n)[t.rank].astype(np.int64)
+            else:
+                receives = np.empty(n, dtype=np.int64)
+                t.run(f"{what} (counts)", "Alltoall", np.array(counts, dtype=np.int64), receives)
+            rows = int(receives.sum())
+        result = array_module(array).empty((rows, *plan.tail), dtype=array.dtype)
         send = backend.to_mpi(array, self._cuda_aware, reuse=blocking)
         recv = backend.to_mpi(result, self._cuda_aware, reuse=False)
-        kind = mpi_datatype(send)
-        if even:
+        kind = plan.datatype
+        if kind is None:
+            kind = plan.datatype = mpi_datatype(send)
+        if count is not None:
             mpi_name, args = "Alltoall", ([send.reshape(-1), kind], [recv.reshape(-1), kind])
         else:
-            sent, received = sends * row, receives * row
+            sent, received = np.array(counts, dtype=np.int64) * plan.row, receives * plan.row
             mpi_name = "Alltoallv"
             args = (
                 [send.reshape(-1), (sent.tolist(), offsets(sent)), kind],

@@ -266,6 +266,75 @@ def test_even_splits_on_some_ranks_only_are_a_mismatch(comm):
     still_in_step(comm)
 
 
+def data_calls(comm, monkeypatch) -> list[str]:
+    """The MPI collectives the communicator's transport makes from now on (its own calls, not the agreement's)."""
+    seen: list[str] = []
+    transport = comm._transport
+    run, start = transport.run, transport.start
+    inside_run = []
+
+    def running(what, name, *args, **kw):
+        seen.append(name)
+        inside_run.append(name)  # run() may start the nonblocking form: one call
+        try:
+            return run(what, name, *args, **kw)
+        finally:
+            inside_run.pop()
+
+    def starting(name, *args, **kw):
+        if not inside_run:
+            seen.append(name)
+        return start(name, *args, **kw)
+
+    monkeypatch.setattr(transport, "run", running)
+    monkeypatch.setattr(transport, "start", starting)
+    return seen
+
+
+def random_bits(dtype: str, shape: tuple, seed: int) -> np.ndarray:
+    """An array whose elements are random bit patterns: NaNs with payloads (signalling ones too), -0.0, infinities,
+    integers beyond 2**53; bool as 0 and 1."""
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(rng.integers(0, 256, size, dtype=np.uint8).tobytes(), dtype=dtype).reshape(shape).copy()
+
+
+@pytest.mark.parametrize("nonblocking", [False, True])
+@pytest.mark.parametrize("dtype", ["int64", "uint64", "float64", "float32", "complex128", "float16", "int8", "bool"])
+def test_small_alltoalls_move_every_bit_in_the_agreement_record(comm, dtype, nonblocking, monkeypatch):
+    """Rows of a few words per rank travel inside the agreement's record, as their bits: every bit pattern arrives
+    as it was sent (NaN payloads, signalling NaNs, -0.0, int64 beyond 2**53), and no data call follows. Larger rows
+    take MPI_Alltoall and arrive the same; splits of each rank's own bring their counts in the record too."""
+    n, r, xp = comm.size, comm.rank, comm.backend.xp
+    words = np.dtype(dtype).itemsize // min(np.dtype(dtype).itemsize, 4)  # record slots per element
+    for per_rank in (1, 40):
+        rows = [random_bits(dtype, (per_rank, 2), 1000 * q + per_rank) for q in range(n)]  # rank q's input
+        want = np.concatenate([rows[q][per_rank * r // n : per_rank * (r + 1) // n] for q in range(n)])
+        carried = not comm.backend.is_gpu and n * n * (per_rank // n) * 2 * words <= 32 and per_rank >= n
+        for splits in (
+            (None, [per_rank // n] * n)
+            if per_rank % n == 0
+            else ([per_rank // n + (d < per_rank % n) for d in range(n)],)
+        ):
+            if splits is not None:
+                want = np.concatenate(
+                    [rows[q][sum(splits[:r]) : sum(splits[: r + 1])] for q in range(n)]
+                )  # every rank passes the same splits here
+            seen = data_calls(comm, monkeypatch)
+            mine = xp.asarray(rows[r])
+            received, counts = comm.ialltoall(mine, splits).wait() if nonblocking else comm.alltoall(mine, splits)
+            assert received.dtype == np.dtype(dtype) and received.shape == want.shape
+            assert np.asarray(received.get() if comm.backend.is_gpu else received).tobytes() == want.tobytes()
+            assert counts.tolist() == ([per_rank // n] * n if splits is None else [splits[r]] * n)
+            if splits is None:
+                assert seen == ([] if carried else ["Alltoall"]), seen
+            else:
+                assert seen == (["Alltoallv"] if n * n <= 32 else ["Alltoall", "Alltoallv"]), seen
+            monkeypatch.undo()
+
+
 @pytest.mark.parametrize("even", [False, True])
 def test_ialltoall_handles_complete_in_any_order(comm, even):
     n, r, xp = comm.size, comm.rank, comm.backend.xp
