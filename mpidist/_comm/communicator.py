@@ -800,7 +800,8 @@ class Communicator:
                 return result
 
             dtype = mpi_datatype(send)
-            args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counts.tolist(), offsets(counts)), dtype])
+            counted = counts.tolist()
+            args = ([send.reshape(-1), dtype], [recv.reshape(-1), (counted, offsets(counted)), dtype])
             if not blocking:
                 return [self._transport.start("Allgatherv", *args)], finish
             self._transport.run(what, "Allgatherv", *args)

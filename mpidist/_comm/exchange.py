@@ -22,6 +22,7 @@ bits).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
@@ -66,6 +67,8 @@ def send_counts(splits: Any, rows: int, size: int) -> list[int]:
 
 def _integers(splits: Any) -> list[int]:
     """``splits`` as a list of Python ints, or ``ValueError`` when it is not a 1-d collection of integers."""
+    if splits.__class__ is list and all(c.__class__ is int for c in splits):  # the common case, first
+        return list(splits)
     values = as_array(splits)
     if hasattr(values, "dtype") and hasattr(values, "shape"):  # a NumPy or CuPy array, or another library's
         host = to_host(values)
@@ -146,9 +149,9 @@ def mpi_datatype(buffer: Array) -> MPI.Datatype:
     return MPI.Datatype.fromcode(buffer.dtype.char)
 
 
-def offsets(counts: np.ndarray) -> list[int]:
+def offsets(counts: list[int]) -> list[int]:
     """Where each of ``counts`` consecutive blocks starts."""
-    return [0, *np.cumsum(counts)[:-1].tolist()]
+    return list(itertools.accumulate(counts[:-1], initial=0))
 
 
 class Exchange:
@@ -197,11 +200,12 @@ class Exchange:
                 return (result, receives) if blocking else ([], lambda: (result, receives))
         else:
             if carried is not None:
-                receives = carried.reshape(n, n)[t.rank].astype(np.int64)
+                receives = carried[plan.mine].astype(np.int64)
             else:
                 receives = np.empty(n, dtype=np.int64)
                 t.run(f"{what} (counts)", "Alltoall", np.array(counts, dtype=np.int64), receives)
-            rows = int(receives.sum())
+            got = receives.tolist()
+            rows = sum(got)
         result = array_module(array).empty((rows, *plan.tail), dtype=array.dtype)
         send = backend.to_mpi(array, self._cuda_aware, reuse=blocking)
         recv = backend.to_mpi(result, self._cuda_aware, reuse=False)
@@ -211,11 +215,12 @@ class Exchange:
         if count is not None:
             mpi_name, args = "Alltoall", ([send.reshape(-1), kind], [recv.reshape(-1), kind])
         else:
-            sent, received = np.array(counts, dtype=np.int64) * plan.row, receives * plan.row
+            row = plan.row
+            sent, received = [c * row for c in counts], [c * row for c in got]
             mpi_name = "Alltoallv"
             args = (
-                [send.reshape(-1), (sent.tolist(), offsets(sent)), kind],
-                [recv.reshape(-1), (received.tolist(), offsets(received)), kind],
+                [send.reshape(-1), (sent, offsets(sent)), kind],
+                [recv.reshape(-1), (received, offsets(received)), kind],
             )
 
         buffers = (send, recv)  # held by the finishing step until the transfer completed (MPI reads send till then)
@@ -245,12 +250,12 @@ class Exchange:
             return None
         result = array_module(array).empty((int(lengths.sum()),) + tail, dtype=array.dtype)
         recv = backend.to_mpi(result, self._cuda_aware, reuse=False)
-        counts = lengths * int(np.prod(tail, dtype=np.int64))
+        counts = (lengths * math.prod(tail)).tolist()
         t.run(
             what,
             "Gatherv",
             [send.reshape(-1), kind],
-            [recv.reshape(-1), (counts.tolist(), offsets(counts)), kind],
+            [recv.reshape(-1), (counts, offsets(counts)), kind],
             root,
         )
         backend.from_mpi(result, recv)
@@ -274,8 +279,8 @@ class Exchange:
         if arrays is not None:
             xp = array_module(arrays[0])
             joined = xp.concatenate([a.reshape(-1) for a in arrays])
-            sizes = np.array([a.size for a in arrays], dtype=np.int64)
-            packed = [backend.to_mpi(joined, self._cuda_aware), (sizes.tolist(), offsets(sizes)), kind]
+            sizes = [int(a.size) for a in arrays]
+            packed = [backend.to_mpi(joined, self._cuda_aware), (sizes, offsets(sizes)), kind]
         t.run(what, "Scatterv", packed, [recv.reshape(-1), kind], root)
         backend.from_mpi(result, recv)
         return result
