@@ -21,7 +21,8 @@ communicator. Each rank fills the record with
   docs/collective-safety.md);
 - for a small ``SUM``/``MEAN`` reduction of a host array, the data itself
   (up to :data:`SMALL` elements), so that the agreement and the reduction are
-  one MPI call.
+  one MPI call; for a small alltoall, a grid of its rows or counts in which
+  each rank fills its own column (:class:`~mpidist._comm.exchange.AlltoallPlan`).
 
 Every rank then sees the sums. All ranks sent the same value ``v`` exactly
 when ``sum(v) == N*v`` and ``sum(v**2) == N*v**2`` (the squared deviations from

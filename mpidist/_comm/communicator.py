@@ -370,9 +370,11 @@ class Communicator:
         :class:`~mpidist.CollectiveMismatchError` on the others, before any
         data moves; so does a 0-d array, which has no axis 0.
 
-        The data moves in one ``MPI_Alltoall`` for even splits; otherwise the
-        counts travel first (one ``MPI_Alltoall`` of one integer per rank),
-        then the rows (one ``MPI_Alltoallv``).
+        The data moves in one ``MPI_Alltoall`` for even splits, or inside the
+        agreement's record when the rows are that small
+        (:class:`~mpidist._comm.exchange.AlltoallPlan`); otherwise the counts
+        travel first (in the record, or one ``MPI_Alltoall`` of one integer
+        per rank), then the rows (one ``MPI_Alltoallv``).
         """
         return self._alltoall(array, splits, name, blocking=True)
 
