@@ -113,6 +113,20 @@ def checked_replica_context(
     return top.replica
 
 
+def checked_collective_context(strategy: MPIStrategy, what: str) -> Optional[ReplicaContext]:
+    """:func:`checked_replica_context` for ``what``, a method that is collective on every rank.
+
+    Local, and collective only when it fails: a rank inside another strategy's scope takes part
+    in the collective the other ranks make, with its ``RuntimeError`` (``Communicator.fail``),
+    so that they raise :class:`~mpidist.CollectiveMismatchError` naming it at once instead of
+    waiting for it until the deadline.
+    """
+    try:
+        return checked_replica_context(strategy, what)
+    except RuntimeError as error:  # the strategies-do-not-mix error, the only one it raises
+        strategy.communicator.fail(error, what)
+
+
 def get_strategy() -> Optional[MPIStrategy]:
     """The strategy whose ``scope()`` (or ``run``) is active in this thread, else ``None``. Local."""
     top = _top()

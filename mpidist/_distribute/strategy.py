@@ -20,7 +20,7 @@ from mpidist._comm.backend import Backend
 from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
 from mpidist._comm.transport import duplicate
-from mpidist._distribute.context import checked_replica_context, enter_context
+from mpidist._distribute.context import checked_collective_context, checked_replica_context, enter_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
 from mpidist._distribute.mirrors import describe, diverged, fingerprint
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
@@ -147,7 +147,7 @@ class MPIStrategy:
         can be used anywhere. :meth:`free` (collective over the set) releases
         it; it does not depend on this strategy, which may be freed first.
         """
-        checked_replica_context(self, "strategy.split")
+        checked_collective_context(self, "strategy.split")
         communicator = self._communicator.split(color, key, **options)
         if communicator is None:
             return None
@@ -210,7 +210,7 @@ class MPIStrategy:
         result instead of new arrays: the form that allocates nothing in
         steady state, for repeated reductions of the same layout.
         """
-        checked_replica_context(self, "strategy.reduce")
+        checked_collective_context(self, "strategy.reduce")
         return self._extended.reduce(reduce_op, value, axis, out)
 
     def reduce_async(self, reduce_op: AnyReduceOp, value: Any) -> Handle:
@@ -223,7 +223,7 @@ class MPIStrategy:
         (``handle.test()`` drives it); see the docs for what each MPI library
         does in the background.
         """
-        checked_replica_context(self, "strategy.reduce_async")
+        checked_collective_context(self, "strategy.reduce_async")
         return self._extended.reduce_async(reduce_op, value)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
@@ -235,12 +235,12 @@ class MPIStrategy:
         must agree; a 0-d component gives one element per replica. Every rank
         gets the whole result: plain arrays in the nest's structure.
         """
-        checked_replica_context(self, "strategy.gather")
+        checked_collective_context(self, "strategy.gather")
         return self._extended.gather(value, axis)
 
     def broadcast(self, value: ArrayLike, root: int = 0) -> Any:
         """Collective: root's ``value`` (an array or number, the same shape on every rank) on every rank."""
-        checked_replica_context(self, "strategy.broadcast")
+        checked_collective_context(self, "strategy.broadcast")
         try:
             array = self.backend.asarray(self._extended.local(value)).copy()
         except Exception as exc:  # a value that cannot be converted: raised on every rank
@@ -249,7 +249,7 @@ class MPIStrategy:
 
     def barrier(self) -> None:
         """Collective: wait until every rank has arrived (honours the timeout)."""
-        checked_replica_context(self, "strategy.barrier")
+        checked_collective_context(self, "strategy.barrier")
         self._communicator.barrier()
 
     # -- coordinated stop (preemption) -----------------------------------------------------
@@ -449,7 +449,7 @@ class MPIStrategy:
         instead broadcasts rank 0's values into the diverged variables, warns,
         and returns ``{name: diverged ranks}``.
         """
-        checked_replica_context(self, "strategy.check_mirrored")
+        checked_collective_context(self, "strategy.check_mirrored")
         flat = flatten(variables)
         for v in flat:
             if not isinstance(v, MirroredVariable):

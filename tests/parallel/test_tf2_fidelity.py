@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import re
+import time
 
 import numpy as np
 import pytest
@@ -285,6 +286,36 @@ def test_another_strategys_methods_inside_a_scope_raise_naming_both(strategy):
     # nothing ran: the other strategy's collectives still pair off, outside any scope
     assert_equal(other.reduce("sum", 1.0), strategy.num_replicas_in_sync)
     assert_equal(theirs.numpy(), np.zeros(2))
+    other.free()
+
+
+@pytest.mark.parametrize("method", ["reduce", "gather", "broadcast", "barrier", "check_mirrored"])
+def test_a_rank_that_mixes_strategies_alone_raises_on_every_rank_at_once(strategy, method):
+    """One rank calls the other strategy's collective method inside this strategy's scope, the others outside any:
+    that rank raises its RuntimeError and every other rank a CollectiveMismatchError naming it, in the same call
+    (not a wait until the deadline); afterwards the other strategy's collectives pair off as before."""
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    if n == 1:
+        pytest.skip("needs a rank that does not mix")
+    other = MPIStrategy(timeout=600)
+    with other.scope():
+        theirs = Variable(np.zeros(2), name="theirs")
+    call = {
+        "reduce": lambda: other.reduce("sum", 1.0),
+        "gather": lambda: other.gather(np.ones(1)),
+        "broadcast": lambda: other.broadcast(np.ones(1)),
+        "barrier": other.barrier,
+        "check_mirrored": lambda: other.check_mirrored([theirs]),
+    }[method]
+    began = time.monotonic()
+    if r == n - 1:
+        with strategy.scope(), pytest.raises(RuntimeError, match=rf"^rank {r}: strategy.{method} .*do not mix"):
+            call()
+    else:
+        with pytest.raises(CollectiveMismatchError, match=rf"rank {n - 1}: .*strategy.{method} .*do not mix"):
+            call()
+    assert time.monotonic() - began < 10  # at once, not at the 600 s deadline
+    assert_equal(other.reduce("sum", 1.0), n)
     other.free()
 
 
