@@ -258,7 +258,7 @@ class Checkpoint:
 
         Raises:
             ValueError: ranks disagree on items or arguments, or bad arguments.
-            TypeError: an item's dtype cannot be saved (object, structured).
+            TypeError: an item's dtype cannot be saved (object, structured, ml_dtypes' float8, int4, ...).
             MirrorDivergenceError: with ``check_mirrors``, the components of
                 a mirrored variable differ between ranks (nothing is written;
                 all ranks raise it, naming the variables and ranks).
@@ -443,7 +443,7 @@ class Checkpoint:
             data = self._assemble(node, entry, entry_ranges, share, block_bytes, target)
             if target is not None:
                 continue  # the allgather wrote the value in place
-            value = fmt.entry_array(entry, data)
+            value = fmt.entry_array(entry, data, obj.dtype)
             if isinstance(obj, DistributedVariable):
                 obj.policy.restore(obj, value)
             else:
@@ -544,8 +544,7 @@ class Checkpoint:
         for name, (kind, obj) in self._items.items():
             description: dict[str, Any] = {"name": name, "kind": kind}
             if kind in fmt.ARRAY_KINDS:
-                dtype = fmt.check_dtype(obj.dtype, name)
-                description.update(shape=[int(s) for s in obj.shape], dtype=dtype.str)
+                description.update(shape=[int(s) for s in obj.shape], dtype=fmt.spell_dtype(obj.dtype, name))
             if isinstance(obj, DistributedVariable):
                 description["aggregation"] = obj.aggregation.value
             out.append(description)
@@ -582,12 +581,13 @@ class Checkpoint:
                 else:
                     entry["rank_states"] = states
             else:
-                header = fmt.npy_header(entry["shape"], np.dtype(entry["dtype"]))
+                stored = fmt.stored_dtype(entry["dtype"])
+                header = fmt.npy_header(entry["shape"], stored)
                 entry.update(
                     file=fmt.safe_file_name(index, name),
                     data_offset=len(header),
                     header_crc32=zlib.crc32(header),
-                    nbytes=int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize,
+                    nbytes=int(np.prod(entry["shape"], dtype=np.int64)) * stored.itemsize,
                 )
             entries.append(entry)
         return entries
@@ -626,12 +626,14 @@ class Checkpoint:
                         "number of ranks, make get_state() return the same (global) position on every rank"
                     )
             else:
-                saved_shape, saved_dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
+                saved_shape = tuple(entry["shape"])
                 if saved_shape != tuple(obj.shape):
                     problems.append(f"{name!r} has shape {saved_shape} in the checkpoint but {tuple(obj.shape)} here")
-                if saved_dtype != np.dtype(obj.dtype):
+                saved_dtype, dtype = fmt.spell_dtype(entry["dtype"], name), fmt.spell_dtype(obj.dtype, name)
+                if saved_dtype != dtype:
                     problems.append(
-                        f"{name!r} has dtype {saved_dtype} in the checkpoint but {np.dtype(obj.dtype)} here"
+                        f"{name!r} has dtype {fmt.dtype_label(saved_dtype)} in the checkpoint but "
+                        f"{fmt.dtype_label(dtype)} here{_bfloat16_hint(entry)}"
                     )
                 if kind == fmt.ARRAY and not obj.flags.writeable:
                     problems.append(f"{name!r} is a read-only array here; pass a writeable array to restore into")
@@ -716,6 +718,13 @@ def _block_size(block_bytes: Any, chunk_bytes: Any) -> int:
             f"size), got {block_bytes!r}"
         )
     return block_bytes
+
+
+def _bfloat16_hint(entry: dict) -> str:
+    """Why an item cannot match bfloat16 entry ``entry`` when ml_dtypes is missing (else nothing). Local."""
+    if entry["dtype"] != fmt.BFLOAT16 or fmt.bfloat16_dtype() is not None:
+        return ""
+    return f" (bfloat16 needs ml_dtypes, which is not installed: {fmt.INSTALL_BFLOAT16})"
 
 
 def _direct_target(obj: Any) -> Optional[np.ndarray]:

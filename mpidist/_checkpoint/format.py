@@ -14,7 +14,12 @@ subdirectory per kept save, numbered in the order they were made::
 
 Every ``.npy`` file is a plain NumPy file (``numpy.load(f, allow_pickle=False)``
 reads it); ``manifest.json`` is plain JSON. Nothing in a checkpoint is ever
-unpickled or executed.
+unpickled or executed. bfloat16 (``ml_dtypes.bfloat16``; NumPy has none) is
+spelled ``"bfloat16"`` in the manifest and stored as its 16-bit patterns under
+a ``'<u2'`` (uint16) header, so that NumPy alone reads every file; only turning
+those bits back into bfloat16 values needs ml_dtypes. A save holding bfloat16
+is of format version 2, any other of version 1, which every reader since the
+first reads (as a ``.npy`` header is of version 1.0 unless it needs 2.0).
 
 Atomicity: a save writes a hidden ``.tmp-ckpt-*`` directory, fsyncs its files
 and the directory, and only then renames it to ``ckpt-NNNNNN``: a rename is
@@ -47,6 +52,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import time
 import zlib
 from collections.abc import Sequence
@@ -70,7 +76,8 @@ __all__ = [
 ]
 
 FORMAT = "mpidist-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this mpidist writes and reads
+BFLOAT16_VERSION = 2  # the first format whose entries may be bfloat16; saves without bfloat16 stay version 1
 MANIFEST = "manifest.json"
 VERSION_PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-ckpt-"
@@ -87,20 +94,91 @@ _VERSION_RE = re.compile(rf"^{re.escape(VERSION_PREFIX)}(\d+)$")
 _LEFTOVER_RE = re.compile(rf"^(?:{re.escape(TMP_PREFIX)}|{re.escape(OLD_PREFIX)})(\d+)-")
 _FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.npy$")
 PathLike = Union[str, "os.PathLike[str]"]
+# bfloat16's name in a manifest, and the dtype of its bits in the file (little-endian, as ml_dtypes holds it).
+BFLOAT16 = "bfloat16"
+BFLOAT16_BITS = np.dtype("<u2")
+INSTALL_BFLOAT16 = "pip install 'mpidist[bfloat16]'"
+_USER_DTYPES = 256  # NumPy numbers the dtypes of other packages (dtype.num) from here on
 
 
-# -- arrays and headers ----------------------------------------------------------------
-def check_dtype(dtype: DTypeLike, name: str) -> np.dtype:
-    """``dtype`` if a checkpoint can hold it (bool, integers, floats, complex, datetimes)."""
+# -- dtypes --------------------------------------------------------------------------------
+def spell_dtype(dtype: DTypeLike, name: str) -> str:
+    """Local: how a manifest spells ``dtype``, if a checkpoint can hold it (else ``TypeError`` naming item ``name``).
+
+    NumPy's bool, integer, floating, complex and datetime dtypes are spelled
+    as their ``dtype.str`` (``'<f4'``); ml_dtypes' bfloat16 (or its spelling)
+    as :data:`BFLOAT16`. Other packages' dtypes are refused, also those of a
+    kind NumPy knows (ml_dtypes' float8 types are of kind ``'f'``): a reader
+    could not tell what their spelling means.
+    """
+    if isinstance(dtype, str) and dtype == BFLOAT16:
+        return BFLOAT16
     dtype = np.dtype(dtype)
-    if dtype.kind not in "biufcmM" or dtype.fields is not None or dtype.subdtype is not None:
+    if _is_bfloat16(dtype):
+        _check_byte_order(f"checkpoint item {name!r}")
+        return BFLOAT16
+    if (
+        dtype.kind not in "biufcmM"
+        or dtype.num >= _USER_DTYPES
+        or dtype.fields is not None
+        or dtype.subdtype is not None
+    ):
         raise TypeError(
             f"checkpoint item {name!r} has dtype {dtype}, which checkpoints cannot hold; "
-            "use a bool, integer, floating, complex or datetime dtype"
+            "use a bool, integer, floating, complex, datetime or bfloat16 (ml_dtypes) dtype"
+        )
+    return dtype.str
+
+
+def stored_dtype(spelling: str) -> np.dtype:
+    """Local: the dtype of the data in an entry's file, as its ``.npy`` header says: the manifest's, or for
+    bfloat16 the ``uint16`` of its bits (:data:`BFLOAT16_BITS`). Needs no ml_dtypes."""
+    return BFLOAT16_BITS if spelling == BFLOAT16 else np.dtype(spelling)
+
+
+def dtype_label(spelling: str) -> str:
+    """Local: a manifest's dtype as messages and listings name it (``float32``, ``bfloat16``)."""
+    return BFLOAT16 if spelling == BFLOAT16 else str(np.dtype(spelling))
+
+
+def memory_dtype(entry: dict) -> np.dtype:
+    """Local: the dtype an entry's data has in memory: ``ml_dtypes.bfloat16`` for a bfloat16 entry (a
+    ``TypeError`` naming it when ml_dtypes is not installed), else the manifest's."""
+    if entry["dtype"] != BFLOAT16:
+        return np.dtype(entry["dtype"])
+    _check_byte_order(f"checkpoint entry {entry['name']!r}")
+    dtype = bfloat16_dtype()
+    if dtype is None:
+        raise TypeError(
+            f"checkpoint entry {entry['name']!r} is bfloat16, which needs ml_dtypes ({INSTALL_BFLOAT16}); "
+            f"without it, numpy.load reads its file {entry['file']} as the uint16 bits"
         )
     return dtype
 
 
+def bfloat16_dtype() -> Optional[np.dtype]:
+    """Local: ml_dtypes' bfloat16, or ``None`` when ml_dtypes (an optional dependency) is not installed."""
+    try:
+        import ml_dtypes  # imported only for a bfloat16 entry
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    ml_dtypes = sys.modules.get("ml_dtypes")  # imported wherever a bfloat16 array exists
+    return ml_dtypes is not None and dtype.type is ml_dtypes.bfloat16
+
+
+def _check_byte_order(what: str) -> None:
+    """``TypeError`` on a big-endian machine, whose bfloat16 bits in memory are not the little-endian file's."""
+    if sys.byteorder != "little":
+        raise TypeError(
+            f"{what} is bfloat16, which checkpoints store as little-endian bits; this machine is big-endian"
+        )
+
+
+# -- arrays and headers ----------------------------------------------------------------
 def npy_header(shape: Sequence[int], dtype: np.dtype) -> bytes:
     """The ``.npy`` header (format 1.0, or 2.0 when needed) of a C-ordered array; its length is a multiple of 64."""
     header = {
@@ -263,9 +341,10 @@ def encode_manifest(manifest: dict) -> bytes:
 
 
 def make_manifest(entries: list[dict], world_size: int, block_bytes: int) -> dict:
+    """The manifest of a save: of format version 1 unless an entry needs a newer one (bfloat16 needs 2)."""
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": BFLOAT16_VERSION if any(e.get("dtype") == BFLOAT16 for e in entries) else 1,
         "mpidist_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "world_size": world_size,
@@ -275,9 +354,9 @@ def make_manifest(entries: list[dict], world_size: int, block_bytes: int) -> dic
     }
 
 
-def entry_array(entry: dict, buffer: ArrayLike) -> np.ndarray:
-    """The entry's bytes (a ``uint8`` array) viewed with its dtype and shape."""
-    return np.asarray(buffer).view(np.dtype(entry["dtype"])).reshape(entry["shape"])
+def entry_array(entry: dict, buffer: ArrayLike, dtype: np.dtype) -> np.ndarray:
+    """The entry's bytes (a ``uint8`` array) viewed with its shape and ``dtype`` (its :func:`memory_dtype`)."""
+    return np.asarray(buffer).view(dtype).reshape(entry["shape"])
 
 
 # -- directories -------------------------------------------------------------------------
@@ -334,7 +413,7 @@ def begin_save(path: PathLike) -> tuple[Path, int]:
 def create_files(directory: Path, entries: list[dict]) -> None:
     """Create each entry's ``.npy`` file with its header, sized for its data. Local."""
     for entry in entries:
-        header = npy_header(entry["shape"], np.dtype(entry["dtype"]))
+        header = npy_header(entry["shape"], stored_dtype(entry["dtype"]))
         fd = os.open(directory / entry["file"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _pwrite_all(fd, memoryview(header), 0)
@@ -422,7 +501,7 @@ def describe_entry(entry: dict) -> dict[str, str]:
         "name": entry["name"],
         "kind": entry["kind"],
         "shape": str(tuple(entry["shape"])),
-        "dtype": str(np.dtype(entry["dtype"])),
+        "dtype": dtype_label(entry["dtype"]),
         "aggregation": entry.get("aggregation") or "",
         "size": human_size(entry["nbytes"]),
     }

@@ -34,6 +34,7 @@ from mpidist._checkpoint.format import (
     entry_array,
     io_threads,
     list_versions,
+    memory_dtype,
     pread_into,
     run_tasks,
 )
@@ -344,8 +345,9 @@ def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndar
 
     Returns:
         ``{name: array}`` for every array entry: a mirrored variable's value,
-        a sync-on-read variable's reduced value, a plain array. Iterator
-        states are not arrays; they are in the manifest's JSON.
+        a sync-on-read variable's reduced value, a plain array (of
+        ``ml_dtypes.bfloat16`` for a bfloat16 entry). Iterator states are not
+        arrays; they are in the manifest's JSON.
 
     Raises:
         FileNotFoundError: no complete save at ``path``.
@@ -353,11 +355,13 @@ def read_checkpoint(path: PathLike, *, verify: bool = True) -> dict[str, np.ndar
         CheckpointError: the save is malformed or unreadable (a manifest that
             asks for what a reader refuses, a link, FIFO or device inside the
             save); the message names the file.
+        TypeError: an entry is bfloat16 and ml_dtypes is not installed.
     """
     with Save.open(path) as save:
+        dtypes = [memory_dtype(e) for e in save.arrays]  # before reading: bfloat16 needs ml_dtypes
         pieces = [Piece(e, 0, e["nbytes"]) for e in save.arrays]
         save.read(pieces, io_threads(), verify=verify)
-    return {p.entry["name"]: entry_array(p.entry, p.buffer) for p in pieces}
+    return {p.entry["name"]: entry_array(p.entry, p.buffer, dtype) for p, dtype in zip(pieces, dtypes)}
 
 
 @dataclasses.dataclass

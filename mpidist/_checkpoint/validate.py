@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from mpidist._checkpoint.format import (
     ARRAY_KINDS,
+    BFLOAT16,
+    BFLOAT16_VERSION,
     BLOCK_BYTES_KEY,
     BLOCK_CRCS_KEY,
     FORMAT,
@@ -30,8 +32,10 @@ from mpidist._checkpoint.format import (
     SYNC_ON_READ,
     block_count,
     canonical,
-    check_dtype,
+    dtype_label,
     is_data_file_name,
+    spell_dtype,
+    stored_dtype,
 )
 from mpidist._distribute.variables import VariableAggregation
 from mpidist._errors import CheckpointError, ChecksumError
@@ -50,7 +54,8 @@ _MAX_WORLD = (1 << 31) - 1
 _MAX_BLOCK = 1 << 40
 _MAX_TEXT = 4096
 _AGGREGATIONS = frozenset(a.value for a in VariableAggregation)
-# What dtype.str looks like for the dtypes a checkpoint holds: byte order, kind, item size, datetime unit.
+# What dtype.str looks like for NumPy's dtypes a checkpoint holds: byte order, kind, item size, datetime unit
+# (bfloat16 is spelled BFLOAT16).
 _DTYPE_RE = re.compile(r"^[<>|=][biufcmM][0-9]{1,2}(\[[0-9]{0,4}[A-Za-z]{1,2}\])?$")
 
 
@@ -118,7 +123,7 @@ def decode_manifest(data: bytes, where: str) -> dict:
 
 def check_manifest(manifest: dict) -> None:
     """Raise ``ValueError`` (``KeyError`` for a missing field) unless a reader can use ``manifest`` safely. Local."""
-    _need(manifest, "format_version", lambda v: _is_int(v) and 1 <= v <= FORMAT_VERSION)
+    version = _need(manifest, "format_version", lambda v: _is_int(v) and 1 <= v <= FORMAT_VERSION)
     _need(manifest, "checksum", lambda v: v == "crc32")
     for key in ("created", "mpidist_version"):
         _need(manifest, key, lambda v: isinstance(v, str) and len(v) <= _MAX_TEXT)
@@ -138,7 +143,7 @@ def check_manifest(manifest: dict) -> None:
         if kind == STATE:
             _check_state(entry, world)
         elif kind in ARRAY_KINDS:
-            _check_array(entry, block, files)
+            _check_array(entry, block, files, version)
         else:
             raise ValueError(f"entry {name!r} has unknown kind {kind!r}")
 
@@ -151,13 +156,16 @@ def _check_state(entry: dict, world: int) -> None:
         _need(entry, "rank_states", lambda v: isinstance(v, list) and len(v) == world)
 
 
-def _check_array(entry: dict, block: int, files: set[str]) -> None:
+def _check_array(entry: dict, block: int, files: set[str], version: int) -> None:
     name, kind = entry["name"], entry["kind"]
-    descr = _need(entry, "dtype", lambda v: isinstance(v, str) and _DTYPE_RE.match(v) is not None)
+    descr = _need(entry, "dtype", lambda v: isinstance(v, str) and (v == BFLOAT16 or _DTYPE_RE.match(v) is not None))
+    if descr == BFLOAT16 and version < BFLOAT16_VERSION:
+        raise ValueError(f"entry {name!r} is bfloat16, which format version {version} cannot hold")
     try:
-        dtype = check_dtype(descr, name)
+        spell_dtype(descr, name)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+    dtype, label = stored_dtype(descr), dtype_label(descr)
     shape = _need(
         entry,
         "shape",
@@ -165,10 +173,10 @@ def _check_array(entry: dict, block: int, files: set[str]) -> None:
     )
     nbytes = _need(entry, "nbytes", _is_int)
     if nbytes != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"entry {name!r}: nbytes {nbytes} does not match shape {shape} of {dtype}")
+        raise ValueError(f"entry {name!r}: nbytes {nbytes} does not match shape {shape} of {label}")
     if block % dtype.itemsize:
         raise ValueError(
-            f"entry {name!r}: the block size {block} ({BLOCK_BYTES_KEY}) is not a multiple of the item size of {dtype}"
+            f"entry {name!r}: the block size {block} ({BLOCK_BYTES_KEY}) is not a multiple of the item size of {label}"
         )
     file = _need(entry, "file", lambda v: isinstance(v, str) and is_data_file_name(v))
     if file in files:

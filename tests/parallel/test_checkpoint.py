@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -625,3 +626,122 @@ def test_ranks_in_different_steps_raise_a_mismatch_naming_both_steps(quick, shar
         assert (read_checkpoint(shared_dir)["weights"] == 2.0).all()
     else:
         assert (components(model["weights"]) == 1.0).all() and model["inputs"].position == 7
+
+
+# -- bfloat16 -------------------------------------------------------------------------------------------
+ALL_BITS = np.arange(1 << 16, dtype=np.uint16)  # every bfloat16: zeros, subnormals, infinities, NaN payloads
+# Totals of a SUM variable, 6 * k * 2**e with |k| < 22 (at most 8 significant bits): they and their shares at 1,
+# 2 and 3 ranks hold exactly in bfloat16, so the shares a restore sets add up to the saved total bit for bit.
+TOTALS = np.array([6 * k * 2.0**e for k, e in [(1, 0), (21, -3), (-13, 40), (5, -60), (-7, 7), (0, 0)]])
+MEANS = np.array([0.1, -7.5, 2.0**-120, 1e30])  # the same on every rank: their MEAN is themselves
+FIRST = np.array([0x7FC1, 0xFFFF, 0x8000, 0x0001, 0x7F80], np.uint16)  # NaN payloads, -0, a subnormal, inf
+
+
+@pytest.fixture
+def bfloat16():
+    return np.dtype(pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes").bfloat16)
+
+
+def bfloat16_model(strategy, bfloat16, fill: bool) -> dict:
+    """bfloat16 items: every bit pattern as a mirrored variable and (rank 0's) as an array, sync-on-read SUM,
+    MEAN and ONLY_FIRST_REPLICA variables; with ``fill`` their values, else zeros."""
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    with strategy.scope():
+        on_read = dict(synchronization=mpidist.VariableSynchronization.ON_READ)
+        model = dict(
+            weights=mpidist.Variable((ALL_BITS if fill else np.zeros_like(ALL_BITS)).view(bfloat16)),
+            total=mpidist.Variable(np.zeros(len(TOTALS), bfloat16), aggregation="sum", **on_read),
+            mean=mpidist.Variable(np.zeros(len(MEANS), bfloat16), aggregation="mean", **on_read),
+            first=mpidist.Variable(np.zeros(len(FIRST), bfloat16), aggregation="only_first_replica", **on_read),
+        )
+    model["table"] = (ALL_BITS[::-1] if fill and r == 0 else np.zeros_like(ALL_BITS)).view(bfloat16)
+    if fill:
+
+        def step():
+            model["total"].assign((TOTALS / n).astype(bfloat16))
+            model["mean"].assign(MEANS.astype(bfloat16))
+            model["first"].assign((FIRST if r == 0 else FIRST + r).view(bfloat16))  # only rank 0's is saved
+
+        strategy.run(step)
+    return model
+
+
+def bits(array) -> np.ndarray:
+    return np.asarray(array).view(np.uint16)
+
+
+def check_bfloat16_restored(strategy, model: dict, bfloat16) -> None:
+    """The values of :func:`bfloat16_model`, bit for bit, after a restore on this strategy's ranks."""
+    n = strategy.num_replicas_in_sync
+    assert all(components(model[name]).dtype == bfloat16 for name in ("weights", "total", "mean", "first"))
+    assert (bits(components(model["weights"])) == ALL_BITS).all()
+    assert (bits(model["table"]) == ALL_BITS[::-1]).all()
+    assert (bits(components(model["total"])) == bits((TOTALS / n).astype(bfloat16))).all()
+    assert (bits(components(model["mean"])) == bits(MEANS.astype(bfloat16))).all()
+    assert (bits(components(model["first"])) == FIRST).all()
+    with strategy.scope():  # what the variables read as is what was saved
+        assert (bits(model["total"].numpy()) == bits(TOTALS.astype(bfloat16))).all()
+        assert (bits(model["first"].numpy()) == FIRST).all()
+
+
+@pytest.mark.parametrize("block_bytes", [32, fmt.BLOCK_BYTES])
+@pytest.mark.parametrize("saved_at,restored_at", [(a, b) for a in (1, 2, 3) for b in (1, 2, 3)])
+def test_bfloat16_restores_bit_for_bit_on_any_number_of_ranks(shared_dir, bfloat16, saved_at, restored_at, block_bytes):
+    needs(saved_at, restored_at)
+    with group(saved_at) as strategy:
+        if strategy is not None:
+            Checkpoint(**bfloat16_model(strategy, bfloat16, fill=True)).save(shared_dir, block_bytes=block_bytes)
+    with group(restored_at) as strategy:
+        if strategy is not None:
+            model = bfloat16_model(strategy, bfloat16, fill=False)
+            Checkpoint(**model).restore(shared_dir)
+            check_bfloat16_restored(strategy, model, bfloat16)
+    if WORLD.rank == 0:  # the files, read without MPI: by mpidist, and as uint16 bits by NumPy alone
+        save = shared_dir / "ckpt-000001"
+        manifest = json.loads((save / fmt.MANIFEST).read_text())
+        assert manifest["world_size"] == saved_at and manifest["format_version"] == 2
+        assert {e["dtype"] for e in manifest["entries"]} == {"bfloat16"}
+        arrays = read_checkpoint(shared_dir)
+        assert arrays["weights"].dtype == bfloat16 and (bits(arrays["weights"]) == ALL_BITS).all()
+        assert (bits(arrays["total"]) == bits(TOTALS.astype(bfloat16))).all()
+        loaded = np.load(next(save.glob("*-weights.npy")), allow_pickle=False)
+        assert loaded.dtype == np.dtype("<u2") and (loaded == ALL_BITS).all()
+
+
+@pytest.mark.gpu
+def test_bfloat16_device_components_save_and_restore(shared_dir, bfloat16):
+    s = mpidist.MPIStrategy(device="gpu")
+    try:
+        Checkpoint(**bfloat16_model(s, bfloat16, fill=True)).save(shared_dir, block_bytes=32)
+        model = bfloat16_model(s, bfloat16, fill=False)
+        assert type(model["weights"].values[0]).__module__.startswith("cupy")
+        Checkpoint(**model).restore(shared_dir)
+        for name in ("weights", "total", "mean", "first"):
+            model[name] = _HostView(model[name])
+        check_bfloat16_restored(s, model, bfloat16)
+    finally:
+        s.free()
+
+
+def test_bfloat16_and_float32_do_not_match_on_any_rank(strategy, shared_dir, bfloat16, monkeypatch):
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    with strategy.scope():
+        half = mpidist.Variable(np.full(5, 1.5, bfloat16), name="half")
+        single = mpidist.Variable(np.full(5, 7, np.float32), name="single")
+    Checkpoint(w=half).save(shared_dir / "half")
+    Checkpoint(w=single).save(shared_dir / "single")
+    with pytest.raises(ValueError, match="'w' has dtype float32 in the checkpoint but bfloat16 here") as info:
+        Checkpoint(w=half).restore(shared_dir / "single")
+    assert str(info.value).startswith(f"rank {r}: ") and "nothing was modified" in str(info.value)
+    if r == n - 1:  # this rank has no ml_dtypes: only its message says why, but every rank raises
+        monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    with pytest.raises(ValueError, match="'w' has dtype bfloat16 in the checkpoint but float32 here") as info:
+        Checkpoint(w=single).restore(shared_dir / "half")
+    last = "rank 0" if n == 1 else f"rank {n - 1}"
+    others = "" if n == 1 else "rank 0: " if n == 2 else f"ranks 0-{n - 2}: "
+    assert f"{last}: ValueError: " in str(info.value) and f"{others}ValueError: " in str(info.value)
+    assert (
+        str(info.value).count("(bfloat16 needs ml_dtypes, which is not installed: pip install 'mpidist[bfloat16]')")
+        == 1
+    )
+    assert (components(half) == 1.5).all() and (components(single) == 7).all()

@@ -428,6 +428,182 @@ def test_python_m_mpidist_checkpoint_inspect(strategy, tmp_path):
         assert shown.returncode == 0 and "usage: python -m mpidist" in shown.stdout
 
 
+# -- bfloat16 ---------------------------------------------------------------------------------------
+ALL_BITS = np.arange(1 << 16, dtype=np.uint16)  # every bfloat16: zeros, subnormals, infinities, NaN payloads
+
+
+@pytest.fixture
+def bfloat16():
+    return np.dtype(pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes").bfloat16)
+
+
+def bfloat16_checkpoint(strategy, bfloat16):
+    """Every bfloat16 bit pattern as a mirrored variable and as an array, sync-on-read SUM and MEAN variables,
+    and a float32 array (unchanged by a save that holds bfloat16)."""
+    with strategy.scope():
+        weights = mpidist.Variable(ALL_BITS.view(bfloat16).copy(), name="weights")
+        total = mpidist.Variable(
+            np.array([1.5, -3.0, 2.0**-100], bfloat16), synchronization="on_read", aggregation="sum"
+        )
+        mean = mpidist.Variable(np.array([0.1, 7.0], bfloat16), synchronization="on_read", aggregation="mean")
+    table = ALL_BITS[::-1].view(bfloat16).copy()
+    return Checkpoint(weights=weights, total=total, mean=mean, table=table, scale=np.arange(3, dtype=np.float32))
+
+
+def test_bfloat16_items_restore_bit_for_bit(strategy, bfloat16, tmp_path):
+    checkpoint = bfloat16_checkpoint(strategy, bfloat16)
+    saved = {
+        name: np.array(value if isinstance(value, np.ndarray) else value.values[0])
+        for name, value in checkpoint.items.items()
+    }
+    checkpoint.save(tmp_path / "ckpt", block_bytes=64)
+    for item in checkpoint.items.values():
+        (item if isinstance(item, np.ndarray) else item.values[0])[...] = 0
+    with strategy.scope():
+        checkpoint.restore(tmp_path / "ckpt")
+    arrays = read_checkpoint(tmp_path / "ckpt")
+    for name, value in saved.items():
+        item = checkpoint.items[name]
+        restored = item if isinstance(item, np.ndarray) else item.values[0]
+        assert restored.dtype == arrays[name].dtype == value.dtype, name
+        assert (restored.view(np.uint8) == value.view(np.uint8)).all(), name
+        assert (arrays[name].view(np.uint8) == value.view(np.uint8)).all(), name
+    assert (arrays["weights"].view(np.uint16) == ALL_BITS).all()
+
+
+def test_bfloat16_is_stored_as_uint16_bits_that_numpy_alone_reads(strategy, bfloat16, tmp_path):
+    save_dir = Path(bfloat16_checkpoint(strategy, bfloat16).save(tmp_path / "ckpt", block_bytes=64))
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
+    assert manifest["format_version"] == 2  # format 1 has no bfloat16: a reader of format 1 refuses it cleanly
+    path, entry = data_file(save_dir, "weights")
+    assert entry["dtype"] == "bfloat16" and entry["shape"] == [1 << 16] and entry["nbytes"] == 2 << 16
+    bits = np.load(path, allow_pickle=False)
+    assert bits.dtype == np.dtype("<u2") and (bits == ALL_BITS).all()
+    data = path.read_bytes()
+    assert zlib.crc32(data[: entry["data_offset"]]) == entry["header_crc32"]
+    assert entry["chunk_crc32"] == [zlib.crc32(data[entry["data_offset"] :][i : i + 64]) for i in range(0, 2 << 16, 64)]
+    # what the docs tell a reader without ml_dtypes: the bits are the upper half of a float32
+    as_float32 = (bits.astype(np.uint32) << 16).view(np.float32)
+    finite = np.isfinite(as_float32)
+    assert (as_float32[finite] == ALL_BITS[finite].view(bfloat16).astype(np.float32)).all()
+    assert (bits.view(bfloat16).view(np.uint16) == ALL_BITS).all()
+    assert np.dtype(data_file(save_dir, "scale")[1]["dtype"]) == np.float32
+
+
+def test_bfloat16_and_another_dtype_do_not_match_either_way(strategy, bfloat16, tmp_path):
+    with strategy.scope():
+        half = mpidist.Variable(np.arange(4).astype(bfloat16), name="w")
+        single = mpidist.Variable(np.full(4, 9, np.float32), name="w")
+        Checkpoint(w=half).save(tmp_path / "half")
+        Checkpoint(w=single).save(tmp_path / "single")
+        with pytest.raises(ValueError, match="'w' has dtype bfloat16 in the checkpoint but float32 here"):
+            Checkpoint(w=single).restore(tmp_path / "half")
+        with pytest.raises(ValueError, match="'w' has dtype float32 in the checkpoint but bfloat16 here"):
+            Checkpoint(w=half).restore(tmp_path / "single")
+        bits = np.full(4, 9, np.uint16)  # the dtype of the file, not of the values
+        with pytest.raises(ValueError, match="'w' has dtype bfloat16 in the checkpoint but uint16 here"):
+            Checkpoint(w=bits).restore(tmp_path / "half")
+    assert (single.values[0] == 9).all() and (bits == 9).all() and (half.values[0] == np.arange(4)).all()
+
+
+def test_without_ml_dtypes_bfloat16_is_listed_but_not_restored(strategy, bfloat16, tmp_path, monkeypatch, capsys):
+    checkpoint = bfloat16_checkpoint(strategy, bfloat16)
+    checkpoint.save(tmp_path / "ckpt", block_bytes=64)
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes raises ImportError
+    with pytest.raises(
+        TypeError,
+        match=r"entry 'mean' is bfloat16, which needs ml_dtypes \(pip install 'mpidist\[bfloat16\]'\); without it, "
+        r"numpy.load reads its file 0000-mean.npy as the uint16 bits",
+    ):
+        read_checkpoint(tmp_path / "ckpt")
+    table = np.zeros(1 << 16, np.float32)
+    with (
+        strategy.scope(),
+        pytest.raises(
+            ValueError,
+            match=r"'table' has dtype bfloat16 in the checkpoint but float32 here \(bfloat16 needs ml_dtypes, which is "
+            r"not installed: pip install 'mpidist\[bfloat16\]'\)",
+        ),
+    ):
+        Checkpoint(table=table).restore(tmp_path / "ckpt")
+    with strategy.scope():  # the other entries are restored as before
+        scale = np.zeros(3, np.float32)
+        Checkpoint(scale=scale).restore(tmp_path / "ckpt")
+    assert (scale == np.arange(3)).all() and (table == 0).all()
+    assert cli(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "format 2;" in out and "every checksum matches" in out
+    assert [line.split()[:4] for line in out.splitlines() if line.startswith("  weights")] == [
+        ["weights", "mirrored", "(65536,)", "bfloat16"]
+    ]
+
+
+def test_a_damaged_bfloat16_block_is_named(strategy, bfloat16, tmp_path, capsys):
+    save_dir = Path(bfloat16_checkpoint(strategy, bfloat16).save(tmp_path / "ckpt", block_bytes=64))
+    path, entry = data_file(save_dir, "table")
+    data = bytearray(path.read_bytes())
+    data[entry["data_offset"] + 200] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"'table', bytes 192-256 \(block 3\)"):
+        read_checkpoint(save_dir)
+    assert cli(["checkpoint", "inspect", "--no-verify", str(save_dir)]) == 0
+    assert cli(["checkpoint", "inspect", str(save_dir)]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+
+
+def test_a_manifest_must_not_claim_bfloat16_in_format_1_or_another_item_size(strategy, bfloat16, tmp_path):
+    save_dir = Path(bfloat16_checkpoint(strategy, bfloat16).save(tmp_path / "ckpt", block_bytes=64))
+    original = json.loads((save_dir / fmt.MANIFEST).read_text())
+    for change, refusal in [
+        (lambda m: m.update(format_version=1), "entry 'mean' is bfloat16, which format version 1 cannot hold"),
+        (lambda m: m["entries"][0].update(nbytes=8), r"entry 'mean': nbytes 8 does not match shape \[2\] of bfloat16"),
+        (lambda m: m["entries"][0].update(dtype="<V2"), r"'dtype' has an unusable value '<V2'"),
+    ]:
+        manifest = json.loads(json.dumps(original))
+        change(manifest)
+        (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))
+        with pytest.raises(CheckpointError, match=f"malformed manifest.*{refusal}"):
+            read_checkpoint(save_dir)
+
+
+def test_a_reader_of_format_1_refuses_a_bfloat16_save_asking_for_an_upgrade(strategy, bfloat16, tmp_path, monkeypatch):
+    from mpidist._checkpoint import validate
+
+    bfloat16_checkpoint(strategy, bfloat16).save(tmp_path / "ckpt")
+    monkeypatch.setattr(validate, "FORMAT_VERSION", 1)  # what every mpidist before bfloat16 checkpoints reads
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint format version 2 is newer than this mpidist .* reads \(1\); upgrade mpidist"
+    ):
+        read_checkpoint(tmp_path / "ckpt")
+    make_checkpoint(strategy, tmp_path / "plain")  # no bfloat16: format 1, which it reads
+    assert_expected(read_checkpoint(tmp_path / "plain"))
+
+
+def test_ml_dtypes_other_types_are_refused_at_save(strategy, bfloat16, tmp_path):
+    import ml_dtypes
+
+    # float8_e5m2 is of kind 'f' with the dtype.str '<f1', which NumPy cannot read back
+    for name in ("float8_e5m2", "float8_e4m3fn", "int4"):
+        item = np.zeros(4, getattr(ml_dtypes, name))
+        with (
+            strategy.scope(),
+            pytest.raises(TypeError, match=f"item 'x' has dtype {name}, which checkpoints cannot hold"),
+        ):
+            Checkpoint(x=item).save(tmp_path / "ckpt")
+    assert not fmt.list_versions(tmp_path / "ckpt")
+
+
+def test_bfloat16_is_refused_on_a_big_endian_machine(strategy, bfloat16, tmp_path, monkeypatch):
+    checkpoint = bfloat16_checkpoint(strategy, bfloat16)
+    checkpoint.save(tmp_path / "ckpt")
+    monkeypatch.setattr(sys, "byteorder", "big")  # its bfloat16 bits in memory are not those of the file
+    message = "is bfloat16, which checkpoints store as little-endian bits; this machine is big-endian"
+    with strategy.scope(), pytest.raises(TypeError, match=f"item 'mean' {message}"):
+        checkpoint.save(tmp_path / "ckpt")
+    with pytest.raises(TypeError, match=f"entry 'mean' {message}"):
+        read_checkpoint(tmp_path / "ckpt")
+
+
 # -- saves killed with SIGKILL ----------------------------------------------------------------------
 def assert_complete_save(path, k=None):
     """The save at ``path`` verifies and all its entries belong to one save k; returns k."""

@@ -213,6 +213,10 @@ def structured_dtype(root: Path) -> None:
     rewrite(root, lambda m: entry(m, "table").update(dtype=[["a", "<i2"]]))
 
 
+def bfloat16_in_format_1(root: Path) -> None:  # the sizes fit (two bytes an item): only the version refuses it
+    rewrite(root, lambda m: entry(m, "table").update(dtype="bfloat16"))
+
+
 def nested_a_hundred_deep(root: Path) -> None:
     state: Any = 1
     for _ in range(100):
@@ -262,6 +266,7 @@ CASES = [
     unknown_aggregation,
     object_dtype,
     structured_dtype,
+    bfloat16_in_format_1,
     nested_a_hundred_deep,
     nested_beyond_the_json_parser,
     manifest_too_large,
@@ -293,6 +298,7 @@ def test_every_crafted_save_is_refused_cleanly(base, tmp_path):
         "huge_data_offset",
         "dimension_of_two_to_the_64",
         "non_string_aggregation",
+        "bfloat16_in_format_1",
         "nested_beyond_the_json_parser",
         "manifest_too_large",
     ):
