@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
+from mpidist._dtypes import is_bfloat16
 from mpidist._errors import CheckpointError
 from mpidist._units import human_size
 from mpidist._version import __version__
@@ -114,7 +115,7 @@ def spell_dtype(dtype: DTypeLike, name: str) -> str:
     if isinstance(dtype, str) and dtype == BFLOAT16:
         return BFLOAT16
     dtype = np.dtype(dtype)
-    if _is_bfloat16(dtype):
+    if is_bfloat16(dtype):
         _check_byte_order(f"checkpoint item {name!r}")
         return BFLOAT16
     if (
@@ -163,11 +164,6 @@ def bfloat16_dtype() -> Optional[np.dtype]:
     except ImportError:
         return None
     return np.dtype(ml_dtypes.bfloat16)
-
-
-def _is_bfloat16(dtype: np.dtype) -> bool:
-    ml_dtypes = sys.modules.get("ml_dtypes")  # imported wherever a bfloat16 array exists
-    return ml_dtypes is not None and dtype.type is ml_dtypes.bfloat16
 
 
 def _check_byte_order(what: str) -> None:

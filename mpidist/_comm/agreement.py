@@ -46,7 +46,6 @@ import enum
 import hashlib
 import math
 import re
-import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
@@ -56,6 +55,7 @@ from mpidist._comm.backend import array_module, device_into_host, is_device_arra
 from mpidist._comm.outcome import gather_texts, group_ranks
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._comm.transport import Transport
+from mpidist._dtypes import is_bfloat16
 from mpidist._errors import (
     CollectiveMismatchError,
     CommError,
@@ -208,12 +208,6 @@ def dtype_name(spelling: str) -> str:
     return "bfloat16" if dtype.kind == "V" else dtype.name
 
 
-def _is_bfloat16(dtype: np.dtype[Any]) -> bool:
-    """Local: whether ``dtype`` (a user-defined NumPy dtype) is ml_dtypes' bfloat16."""
-    ml_dtypes = sys.modules.get("ml_dtypes")  # imported wherever a bfloat16 array exists
-    return ml_dtypes is not None and dtype.type is ml_dtypes.bfloat16
-
-
 def word_bits(size: int) -> int:
     """Local: bits per hash word at ``size`` ranks, the most for which ``size * 2**(2b) <= 2**52`` (at least 8).
 
@@ -249,7 +243,7 @@ def validate(array: Any, op: Optional[ReduceOp], name: str, rank: int, writable:
         char = dtype.char
         fine = (
             char in DTYPES
-            and (dtype.num < _USER_DTYPES or _is_bfloat16(dtype))
+            and (dtype.num < _USER_DTYPES or is_bfloat16(dtype))
             and dtype.isnative
             and flags.c_contiguous
             and (flags.writeable or not writable)
@@ -298,7 +292,7 @@ def _why_invalid(array: Any, op: Optional[ReduceOp], writable: bool) -> tuple[ty
     if not (hasattr(array, "dtype") and hasattr(array, "shape") and hasattr(array, "flags")):
         return TypeError, (f" is a {type(array).__name__}, not an array; pass a NumPy or CuPy array (numpy.asarray(x))")
     char = array.dtype.char
-    if char not in DTYPES or not (array.dtype.num < _USER_DTYPES or _is_bfloat16(array.dtype)):
+    if char not in DTYPES or not (array.dtype.num < _USER_DTYPES or is_bfloat16(array.dtype)):
         return TypeError, (
             f" has dtype {array.dtype}, which mpidist cannot send; use one of "
             "bool, int8-64, uint8-64, float16/32/64, bfloat16 (ml_dtypes), complex64/128"
