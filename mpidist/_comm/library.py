@@ -1,9 +1,9 @@
-"""Which MPI library this process loaded: its version line, its shared objects, its control variables.
+"""Which MPI library this process loaded: its version line, its shared objects, its tool variables.
 
-Local: reads what the library reports and the process's memory map, and reads or writes
-the library's integer control variables through its tool interface (MPI_T, which mpi4py
-does not wrap: called through :mod:`ctypes` on the ``libmpi`` already loaded); no
-communication. Part of the comm layer.
+Local: reads what the library reports and the process's memory map, reads or writes the
+library's integer control variables and reads its performance variables through its tool
+interface (MPI_T, which mpi4py does not wrap: called through :mod:`ctypes` on the ``libmpi``
+already loaded); no communication. Part of the comm layer.
 """
 
 from __future__ import annotations
@@ -11,12 +11,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Optional, Union
 
 from mpi4py import MPI
 
-__all__ = ["libmpi", "libmpi_paths", "library_version", "read_control_variable", "write_control_variable"]
+__all__ = [
+    "PerformanceVariables",
+    "libmpi",
+    "libmpi_paths",
+    "library_version",
+    "read_control_variable",
+    "write_control_variable",
+]
 
 
 def library_version() -> str:
@@ -119,3 +127,113 @@ def _control_variable(name: str) -> Iterator[tuple[ctypes.CDLL, ctypes.c_void_p]
             lib.MPI_T_cvar_handle_free(ctypes.byref(handle))
     finally:
         lib.MPI_T_finalize()
+
+
+# The C types of the integer MPI datatypes a performance variable may have.
+_CType = Union[type[ctypes.c_ulonglong], type[ctypes.c_ulong], type[ctypes.c_uint]]
+_PVAR_TYPES: tuple[tuple[MPI.Datatype, _CType], ...] = (
+    (MPI.UNSIGNED_LONG_LONG, ctypes.c_ulonglong),
+    (MPI.UNSIGNED_LONG, ctypes.c_ulong),
+    (MPI.UNSIGNED, ctypes.c_uint),
+)
+
+
+class PerformanceVariables:
+    """Local: the library's integer performance variables ``names`` (MPI_T "pvars"), bound to ``comm``, started.
+
+    Each variable holds one or more counters (Open MPI's ``pml_monitoring_messages_count``, with
+    its monitoring on: one per rank of ``comm``, the messages this process sent to it); :meth:`read`
+    returns their values now. A variable bound to no object ignores ``comm``. :meth:`free` ends
+    the session. Raises :class:`OSError` when the library has no variable of one of the names
+    (MPICH builds include none unless configured with ``--enable-mpit-pvars``), one is not of an
+    unsigned integer type, or the tool interface fails.
+    """
+
+    def __init__(self, names: Sequence[str], comm: MPI.Comm) -> None:
+        lib = libmpi()
+        self._lib: Optional[ctypes.CDLL] = lib
+        if not hasattr(lib, "MPI_T_pvar_session_create"):
+            raise OSError("the MPI library has no MPI_T_pvar_session_create (MPI 3.0's tool interface)")
+        provided = ctypes.c_int()
+        _check(lib.MPI_T_init_thread(MPI.THREAD_SINGLE, ctypes.byref(provided)), "MPI_T_init_thread")
+        self._session = ctypes.c_void_p()
+        self._handles: dict[str, tuple[ctypes.c_void_p, _CType, int]] = {}
+        try:
+            found = _integer_variables(lib)
+            missing = [name for name in names if name not in found]
+            if missing:
+                offered = f": {', '.join(sorted(found)[:8])}{', ...' if len(found) > 8 else ''}" if found else ""
+                raise OSError(
+                    f"the MPI library has no performance variable {', '.join(missing)} "
+                    f"(it offers {len(found)} of an integer type{offered})"
+                )
+            _check(lib.MPI_T_pvar_session_create(ctypes.byref(self._session)), "MPI_T_pvar_session_create")
+            bound = ctypes.c_void_p(comm.handle)  # MPI_Comm is a pointer (Open MPI) or an int (MPICH): either fits
+            for name in names:
+                index, ctype, continuous = found[name]
+                handle, count = ctypes.c_void_p(), ctypes.c_int()
+                _check(
+                    lib.MPI_T_pvar_handle_alloc(
+                        self._session, index, ctypes.byref(bound), ctypes.byref(handle), ctypes.byref(count)
+                    ),
+                    f"MPI_T_pvar_handle_alloc({name!r})",
+                )
+                self._handles[name] = (handle, ctype, count.value)
+                if not continuous:
+                    _check(lib.MPI_T_pvar_start(self._session, handle), f"MPI_T_pvar_start({name!r})")
+        except BaseException:
+            self.free()
+            raise
+
+    def read(self) -> dict[str, list[int]]:
+        """Local: every variable's counters now, by name."""
+        assert self._lib is not None, "read after free()"
+        values = {}
+        for name, (handle, ctype, count) in self._handles.items():
+            buffer = (ctype * count)()
+            _check(self._lib.MPI_T_pvar_read(self._session, handle, buffer), f"MPI_T_pvar_read({name!r})")
+            values[name] = [int(v) for v in buffer]
+        return values
+
+    def free(self) -> None:
+        """Local: free the handles and the session, and leave the tool interface (once; later calls do nothing)."""
+        if self._lib is None:
+            return
+        for handle, _, _ in self._handles.values():
+            self._lib.MPI_T_pvar_handle_free(self._session, ctypes.byref(handle))
+        self._handles.clear()
+        if self._session.value:
+            self._lib.MPI_T_pvar_session_free(ctypes.byref(self._session))
+        self._lib.MPI_T_finalize()
+        self._lib = None
+
+
+def _integer_variables(lib: ctypes.CDLL) -> dict[str, tuple[int, _CType, bool]]:
+    """Every performance variable of an unsigned integer type: its index, C type, and whether it is continuous."""
+    number = ctypes.c_int()
+    _check(lib.MPI_T_pvar_get_num(ctypes.byref(number)), "MPI_T_pvar_get_num")
+    types = {datatype.handle: ctype for datatype, ctype in _PVAR_TYPES}
+    found = {}
+    for index in range(number.value):
+        name, name_len = ctypes.create_string_buffer(256), ctypes.c_int(256)
+        verbosity, var_class, bind, readonly, continuous, atomic = (ctypes.c_int() for _ in range(6))
+        datatype, enumtype, no_length = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int(0)
+        code = lib.MPI_T_pvar_get_info(
+            index,
+            name,
+            ctypes.byref(name_len),
+            ctypes.byref(verbosity),
+            ctypes.byref(var_class),
+            ctypes.byref(datatype),
+            ctypes.byref(enumtype),
+            None,
+            ctypes.byref(no_length),
+            ctypes.byref(bind),
+            ctypes.byref(readonly),
+            ctypes.byref(continuous),
+            ctypes.byref(atomic),
+        )
+        ctype = types.get(datatype.value or 0)
+        if code == 0 and ctype is not None:  # a variable no longer valid, or not an integer: not offered
+            found[name.value.decode()] = (index, ctype, bool(continuous.value))
+    return found

@@ -42,6 +42,22 @@ interleaved sample by sample so that they see the same machine load:
   beside float32 arrays of as many elements, 1 KiB to 64 MiB of float32, and
   the raw float32 ``Allreduce``; skipped, with a note in the results, where
   ``ml_dtypes`` is missing or the communicator refuses bfloat16.
+- ``scaling``: the agreement's cost against the number of ranks, counted: for
+  an 8-byte mirrored MEAN update (the agreement carries the data), an in-place
+  1 MiB float32 allreduce (the agreement, then the reduction) and a barrier,
+  each by mpidist (default settings) and by raw mpi4py (the hand loop, one
+  ``Allreduce``, ``Barrier``): the MPI calls made per collective, and the
+  point-to-point messages and bytes each rank's MPI library sends for them,
+  its collective algorithms' own messages included
+  (:mod:`~mpidist._tools.bench_counts`). Counts do not depend on timing, so
+  they hold with more ranks than cores. The library's messages are counted
+  under Open MPI started with its monitoring on
+  (``OMPI_MCA_pml_monitoring_enable=1 mpiexec -n N python -m mpidist bench
+  --cases scaling``); MPICH has no such counters. With at most one rank per
+  core the same calls are also timed, against raw mpi4py; with more, the ranks
+  take turns on the cores and timings would measure that, so they are not
+  taken. ``benchmarks/agreement_scaling.py`` runs the case at several numbers
+  of ranks and writes one table.
 
 Inputs are as a training step leaves them. Before every timed call, mpidist's
 and the baselines' alike, the arrays a step writes (gradients, the buffers of
@@ -88,11 +104,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._comm.library import library_version
+from mpidist._comm.library import PerformanceVariables, library_version
 from mpidist._comm.reduce_op import ReduceOp
+from mpidist._comm.tuning import libnbc_iallreduce_algorithm
 from mpidist._distribute.context import get_replica_context
 from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.variables import MirroredVariable, Variable, VariableAggregation
+from mpidist._tools.bench_counts import MESSAGES, CallCounter, library_counters
 from mpidist._tools.bench_report import placements, write_reports
 from mpidist._units import human_time
 
@@ -111,6 +129,7 @@ __all__ = [
     "resnet50_shapes",
     "resnet_variants",
     "run",
+    "scaling_variants",
     "uneven_splits",
     "update_variants",
 ]
@@ -121,6 +140,7 @@ _MIB = 1 << 20
 _SAMPLE_SECONDS = 0.02
 _MAX_CALLS = 100_000  # calls in one sample at most
 _PROBE_CALLS = 5
+_COUNTED_CALLS = 10  # calls of a collective whose MPI calls and messages are counted (after two that are not)
 _WEIGHT = 0.5  # the value weights and scratch buffers are written with once, when they are made
 # How the inputs were made, as results.json records it ("inputs" of "meta"; runs before it lack the key and read
 # never-written gradients).
@@ -330,6 +350,59 @@ class Bench:
     def note(self, case: str, key: str, **values: Any) -> None:
         """Local: add ``values`` to the results entry of ``case`` and ``key``."""
         self.results.setdefault(case, {}).setdefault(key, {}).update(values)
+
+    def count(self, variant: Variant, calls: CallCounter, library: Optional[PerformanceVariables]) -> dict[str, Any]:
+        """Collective: what one call of ``variant`` costs, counted over calls made back to back.
+
+        Two calls first, not counted (lazily made plans and buffers); then
+        ``_COUNTED_CALLS`` calls, each after its write, with nothing between
+        them (a barrier's messages would count). Returns, per call: ``mpi_calls``,
+        the MPI calls ``calls`` counted on rank 0 by method name (``mpi_calls_alike``:
+        every rank made the same); with ``library``, per rank the point-to-point
+        messages and bytes it sent (``messages``, ``bytes``) and the bytes it
+        received (``received_bytes``), else ``None`` for those.
+        """
+        made: dict[str, float] = {}
+        window: list[dict[str, list[int]]] = []
+        write, call = variant.write, variant.call
+
+        def loop() -> None:
+            for _ in range(2):
+                write()
+                call()
+            calls.counts.clear()
+            if library is not None:
+                window.append(library.read())
+            for _ in range(_COUNTED_CALLS):
+                write()
+                call()
+            if library is not None:
+                window.append(library.read())
+            made.update({name: n / _COUNTED_CALLS for name, n in sorted(calls.counts.items())})
+
+        if variant.strategy is None:
+            loop()
+        else:
+            with variant.strategy.scope():
+                variant.strategy.run(loop)
+        sent: Optional[list[list[float]]] = None  # per call, to each rank: messages, then bytes
+        if window:
+            before, after = window
+            sent = [[(a - b) / _COUNTED_CALLS for a, b in zip(after[name], before[name])] for name in MESSAGES]
+        everyone = self.comm.allgather((made, sent))
+        entry: dict[str, Any] = {
+            "mpi_calls": made,
+            "mpi_calls_alike": all(m == made for m, _ in everyone),
+            "messages": None,
+            "bytes": None,
+            "received_bytes": None,
+        }
+        if all(s is not None for _, s in everyone):  # the same library and settings on every rank: all or none
+            sizes = [s[1] for _, s in everyone]
+            entry["messages"] = [sum(s[0]) for _, s in everyone]
+            entry["bytes"] = [sum(row) for row in sizes]
+            entry["received_bytes"] = [sum(row[r] for row in sizes) for r in range(self.size)]
+        return entry
 
 
 def _init_gloo(comm: MPI.Intracomm) -> Any:
@@ -624,6 +697,55 @@ def bench_bfloat16(bench: Bench, strategy: MPIStrategy, max_bytes: int) -> None:
         bench.compare("bfloat16", str(nbytes), bfloat16_variants(bench, strategy, nbytes, bfloat16))
 
 
+def scaling_variants(bench: Bench, strategy: MPIStrategy, comm: MPI.Intracomm) -> dict[str, dict[str, Variant]]:
+    """Collective (it makes a variable): the collectives of the ``scaling`` case, by raw mpi4py on ``comm`` and by
+    mpidist's ``strategy``.
+
+    ``update_8B``: a mirrored MEAN update of two float32 (``assign_add`` in
+    replica context; the hand loop); ``allreduce_1MiB``: an in-place float32
+    SUM of 1 MiB (the communicator's ``allreduce``; one raw ``Allreduce``);
+    ``barrier``.
+    """
+    grad, buf = np.empty(2, np.float32), np.empty(_MIB // 4, np.float32)
+    write_grad, write_buf = bench.gradients.writer([grad]), bench.gradients.writer([buf])
+    with strategy.scope():
+        v = _mirrored(_weights(2), "scaling")
+    return {
+        "update_8B": {
+            "raw": Variant(_hand_loop(comm, grad, _weights(2), _weights(2)), write_grad),
+            "mpidist": Variant(lambda: v.assign_add(grad), write_grad, strategy),
+        },
+        "allreduce_1MiB": {
+            "raw": Variant(lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), write_buf),
+            "mpidist": Variant(_in_place_allreduce(strategy, buf), write_buf),
+        },
+        "barrier": {"raw": Variant(comm.Barrier), "mpidist": Variant(strategy.communicator.barrier)},
+    }
+
+
+def bench_scaling(bench: Bench, strategy: MPIStrategy) -> None:
+    """The agreement's cost against the number of ranks: counted at any number of ranks, timed at one rank per core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = strategy.communicator.local_size
+    for key, variants in scaling_variants(bench, strategy, bench.comm).items():
+        if ranks <= cores:
+            bench.compare("scaling", key, variants)
+        else:
+            bench.note("scaling", key, not_timed=f"{ranks} ranks on {cores} cores: timings would measure their turns")
+    library, counted_by = library_counters()
+    calls = CallCounter()
+    try:
+        with calls.installed(strategy.communicator):
+            for key, variants in scaling_variants(bench, strategy, calls.wrap(bench.comm)).items():
+                counts = {name: bench.count(variant, calls, library) for name, variant in variants.items()}
+                bench.note("scaling", key, counts=counts, counted_by=counted_by, counted_calls=_COUNTED_CALLS)
+    finally:
+        if library is not None:
+            library.free()
+    if bench.rank == 0:
+        print(f"[bench] scaling: MPI calls counted; {counted_by}", flush=True)
+
+
 def bench_profile(bench: Bench, strategy: MPIStrategy) -> None:
     """Where the time of an 8-byte mirrored MEAN update goes: the same update through each layer, default settings."""
     comm = strategy.communicator
@@ -795,7 +917,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cases",
         default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile,alltoall,bfloat16",
-        help="comma-separated subset of the cases",
+        help="comma-separated subset of the cases; also 'scaling' (not in the default list): the MPI calls of "
+        "mpidist's agreement and, under Open MPI started with OMPI_MCA_pml_monitoring_enable=1, the messages and "
+        "bytes each rank's MPI library sends for them, counted at any number of ranks, also more ranks than cores "
+        "(OMPI_MCA_pml_monitoring_enable=1 mpiexec --oversubscribe -n 16 python -m mpidist bench --cases scaling); "
+        "timed too where each rank has a core; benchmarks/agreement_scaling.py runs it at N = 2, 4, 8, 16 and "
+        "writes one table",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) baseline")
 
@@ -828,6 +955,8 @@ def run(args: argparse.Namespace) -> int:
         bench_alltoall(bench, strategies, args.max_bytes)
     if "bfloat16" in cases:
         bench_bfloat16(bench, strategies["check"], args.max_bytes)
+    if "scaling" in cases:
+        bench_scaling(bench, strategies["check"])
     meta = {
         "ranks": bench.size,
         "mpi": library_version(),
@@ -840,6 +969,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "inputs": INPUTS,
         "mpi_settings": mpi_settings(),
+        "libnbc_iallreduce_algorithm": libnbc_iallreduce_algorithm(),
         "piece_bytes": strategies["check"].options.piece_bytes,
         "fusion_bytes": strategies["check"].options.fusion_bytes,
         "torch": getattr(_torch(), "__version__", None) if bench.dist is not None else None,

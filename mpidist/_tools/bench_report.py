@@ -8,6 +8,7 @@ is written.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Iterable, Sequence
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 from mpidist._units import human_size, human_time
 
-__all__ = ["median", "placements", "write_reports"]
+__all__ = ["median", "placements", "scaling_tables", "write_reports"]
 
 # Where the ranks ran during a round of samples, from the probes around it: a raw 1 MiB allreduce over a copy of
 # 1 MiB within a rank. On a virtual machine the hypervisor moves the cores: with the ranks on cores that share a
@@ -203,6 +204,108 @@ def _layers(e: dict[str, Any]) -> list[list[str]]:
         if name != "hand_loop":
             before = t
     return rows
+
+
+# The collectives of the scaling case, in the order of its tables.
+_SCALING = (
+    ("update_8B", "8 B mirrored update"),
+    ("allreduce_1MiB", "1 MiB allreduce"),
+    ("barrier", "barrier"),
+)
+
+
+def _number(x: float) -> str:
+    """A count per call: whole when it is (``1,224``), else with two decimals (``1.88``)."""
+    return f"{x:,.0f}" if x == round(x) else f"{x:,.2f}"
+
+
+def _mean_most(per_rank: Optional[Sequence[float]]) -> str:
+    """``mean / most`` of a count over the ranks ("-": not counted)."""
+    return "-" if per_rank is None else f"{_number(statistics.mean(per_rank))} / {_number(max(per_rank))}"
+
+
+def _mpi_calls(count: dict[str, Any]) -> str:
+    """The MPI calls of one collective: how many, and which (``2: Iallreduce, Start``)."""
+    calls = count["mpi_calls"]
+    text = f"{_number(sum(calls.values()))}: {', '.join(calls)}" if calls else "0"
+    return text if count["mpi_calls_alike"] else f"{text} (rank 0; other ranks differ)"
+
+
+def scaling_tables(runs: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """Local: the Markdown tables of the ``scaling`` case over runs (``(meta, results)``, one per number of ranks).
+
+    Counts per collective and per rank, for every run; times for the runs
+    that timed the collectives (at most one rank per core); then how the
+    messages were counted.
+    """
+    runs = sorted(((m, r["scaling"]) for m, r in runs if "scaling" in r), key=lambda run: int(run[0]["ranks"]))
+    counted, timed, notes = [], [], []
+    for meta, case in runs:
+        n = int(meta["ranks"])
+        for key, label in _SCALING:
+            e = case.get(key)
+            if e is None:
+                continue
+            mine, raw = e["counts"]["mpidist"], e["counts"]["raw"]
+            received = mine["received_bytes"]
+            counted.append(
+                [
+                    str(n),
+                    str(math.ceil(math.log2(n))) if n > 1 else "0",
+                    label,
+                    _mpi_calls(mine),
+                    _mean_most(mine["messages"]),
+                    _mean_most(mine["bytes"]),
+                    "-" if received is None else _number(max(received)),
+                    _mean_most(raw["messages"]),
+                    _mean_most(raw["bytes"]),
+                ]
+            )
+            m, r = median(e, "mpidist"), median(e, "raw")
+            if m is not None:
+                timed.append([str(n), label, _t(r), _t(m), _ratio(m, r), _paired(e, "mpidist", "raw")])
+        first = next(iter(case.values()))
+        notes.append(
+            f"{n} ranks, {meta['mpi']}: {first['counted_by']}; MPI calls and messages per call over "
+            f"{first['counted_calls']} calls of each collective"
+            + (f"; not timed ({first['not_timed']})" if "not_timed" in first else "")
+            + "."
+        )
+    if not counted:
+        return []
+    out = _table(
+        "Agreement cost against the number of ranks: counted (per collective)",
+        [
+            "N",
+            "⌈log₂ N⌉",
+            "collective",
+            "MPI calls by mpidist",
+            "mpidist: messages sent per rank, mean / most",
+            "mpidist: bytes sent per rank, mean / most",
+            "mpidist: bytes received, most",
+            "raw mpi4py: messages sent per rank, mean / most",
+            "raw mpi4py: bytes sent per rank, mean / most",
+        ],
+        counted,
+    )
+    out += [
+        "",
+        "mpidist with its default settings (the agreement and the deadline): the 8 B update is `assign_add` of a "
+        "mirrored MEAN variable of two float32 in replica context, the 1 MiB allreduce the communicator's in-place "
+        "float32 SUM, the barrier the communicator's. Raw mpi4py makes one call each: the hand loop's `Allreduce`, "
+        "an in-place `Allreduce`, `Barrier`. Messages and bytes are the point-to-point messages the MPI library "
+        "sent, its collective algorithms' own included, per call; bytes received are the same messages seen from "
+        "the other end.",
+        "",
+        *(f"- {note}" for note in notes),
+    ]
+    if timed:
+        out += _table(
+            "Agreement cost against the number of ranks: timed (at most one rank per core)",
+            ["N", "collective", "raw mpi4py", "mpidist", "mpidist / raw", "mpidist / raw, round by round"],
+            timed,
+        )
+    return out
 
 
 def _placement(meta: dict[str, Any], results: dict[str, Any]) -> list[str]:
@@ -407,6 +510,7 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
             ],
             (_bfloat16_row(nbytes, e) for nbytes, e in _by_size(half)),
         )
+    out += scaling_tables([(meta, results)])
     for nbytes, e in _by_size(results.get("overlap", {})):
         out += [
             "",
