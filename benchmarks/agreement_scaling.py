@@ -83,10 +83,8 @@ def write_tables(runs: Sequence[dict[str, Any]], out: Path) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Count the MPI calls and, under Open MPI, the messages and bytes per rank of mpidist's "
-        "agreement at several numbers of ranks (more ranks than cores is fine for counting), and time the same "
-        "calls where each rank has a core; write one table (OUT/scaling.md). Runs mpiexec itself, once per "
-        "number of ranks: start it as a plain program.",
+        description=(__doc__ or "").split("\n\n")[0]
+        + "\nIt runs mpiexec itself, once per number of ranks: start it as a plain program.",
         epilog=(__doc__ or "").split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
