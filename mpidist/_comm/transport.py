@@ -140,10 +140,16 @@ class Transport(Deadline):
         for request in requests:
             self.poll(request, what)
 
-    @staticmethod
-    def test(requests: list[MPI.Request]) -> bool:
-        """Local: whether every request has completed."""
-        return bool(MPI.Request.Testall(requests))
+    def test(self, requests: list[MPI.Request]) -> bool:
+        """Local: whether every request has completed (each completed one is done with; the rest advance).
+
+        One ``Test`` per request rather than ``Testall``: MPICH's ``Testall`` fails on the persistent
+        request of the agreement at one rank (``MPI_ERR_IN_STATUS`` with a status that holds no error).
+        """
+        try:
+            return all(request.Test() for request in requests)
+        except MPI.Exception as exc:
+            raise self.error("a test of a nonblocking collective", exc) from exc
 
     @staticmethod
     def mpi_op(op: ReduceOp, dtype: np.dtype[Any]) -> MPI.Op:

@@ -134,6 +134,18 @@ def test_nonblocking_collectives(comm):
         assert h1.test() and h1.wait() is h1.wait()  # waiting again returns the same result
 
 
+def test_handles_polled_with_test_until_done(comm):
+    """``handle.test()`` before ``wait()``, polled until it says done: the agreement's persistent request and the
+    data stage's requests are tested one by one (MPICH's Testall fails on the persistent request at one rank)."""
+    for small in (True, False):
+        a = contribution(comm.rank, (3,) if small else (100_000,), "float64")
+        handles = [comm.iallreduce(a, "sum"), comm.iallgather(np.full(2, comm.rank, dtype=np.int32))]
+        while not all(h.test() for h in handles):
+            pass
+        np.testing.assert_array_equal(handles[0].wait(), expected("sum", comm.size, a.shape, "float64"))
+        np.testing.assert_array_equal(handles[1].wait(), np.repeat(np.arange(comm.size, dtype=np.int32), 2))
+
+
 @pytest.mark.parametrize("dtype", ["bool", "int64", "float16", "complex64"])
 def test_broadcast_from_every_root(comm, dtype):
     for _ in range(2):
