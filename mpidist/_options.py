@@ -31,6 +31,16 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected one of 1/0, true/false, yes/no, on/off, got {text!r}")
 
 
+def _parse_auto_bool(text: str) -> Optional[bool]:
+    """A boolean, or ``None`` for ``auto`` (mpidist decides)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _parse_bool(text)
+    except ValueError:
+        raise ValueError(f"expected auto or one of 1/0, true/false, yes/no, on/off, got {text!r}") from None
+
+
 def _parse_timeout(text: str) -> Optional[float]:
     low = text.strip().lower()
     if low in ("", "none", "off"):
@@ -60,7 +70,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "abort_on_error": _parse_bool,
     "check_mirrored_every": int,
     "fusion_bytes": int,
-    "hierarchical": _parse_bool,
+    "hierarchical": _parse_auto_bool,
     "node_size": int,
     "flat_variables": _parse_bool,
 }
@@ -120,9 +130,17 @@ class Options:
             small arrays never cost one MPI call each; larger ones are
             reduced where they are, in pieces. 0 packs nothing
             (``MPIDIST_FUSION_BYTES``).
-        hierarchical: reduce within each node over a shared-memory
-            communicator, then across nodes between node leaders, then
-            broadcast within the node (``MPIDIST_HIERARCHICAL``).
+        hierarchical: the two-level reduction: within each node over a
+            shared-memory communicator, then across nodes between node
+            leaders, then a broadcast within the node. ``True`` always,
+            ``False`` never (one flat allreduce), ``None`` (the default,
+            ``auto``): when the ranks span more than one node and some node
+            holds more than one of them, for reductions of at least 256 KiB
+            (a whole piece, should ``piece_bytes`` be smaller), where it
+            beat the flat allreduce across nodes (see
+            ``docs/benchmarks.md``); on one node never. Every input of
+            the choice is the same on every rank (``MPIDIST_HIERARCHICAL``:
+            ``auto``, or a boolean).
         node_size: ranks per node for ``hierarchical``: 0 finds the
             shared-memory nodes; ``k`` groups every ``k`` consecutive ranks,
             to try the algorithm on one machine (``MPIDIST_NODE_SIZE``).
@@ -142,7 +160,7 @@ class Options:
     abort_on_error: bool = True
     check_mirrored_every: int = 0
     fusion_bytes: int = 64 * 1024
-    hierarchical: bool = False
+    hierarchical: Optional[bool] = None
     node_size: int = 0
     flat_variables: bool = False
     pipeline_bytes: dataclasses.InitVar[Optional[int]] = None  # the former name of piece_bytes
@@ -214,7 +232,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "abort_on_error": ((bool,), "True or False"),
     "check_mirrored_every": ((int,), "an integer"),
     "fusion_bytes": ((int,), "an integer number of bytes"),
-    "hierarchical": ((bool,), "True or False"),
+    "hierarchical": ((bool, type(None)), "True, False or None (auto)"),
     "node_size": ((int,), "an integer"),
     "flat_variables": ((bool,), "True or False"),
 }

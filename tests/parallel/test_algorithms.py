@@ -90,3 +90,20 @@ def test_one_replica_makes_no_mpi_call():
     requests, complete = reduction.start("alone", [buf[:2], buf[2:]], MPI.SUM)
     complete()
     assert requests == [] and buf.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("options", [{}, {"node_size": 2}], ids=["auto", "auto-node_size"])
+def test_auto_on_one_node_is_the_flat_reduction_and_builds_no_two_level_one(options):
+    """The default (``hierarchical=None``) on one node: today's flat reduction, at every size, nothing split."""
+    comm = MPI.COMM_WORLD.Dup()
+    topology = Topology(comm)
+    if topology.num_nodes > 1:
+        pytest.skip("the job spans nodes")
+    algorithms = Algorithms(Transport(comm, Options(timeout=60.0, **options)), topology)
+    try:
+        assert algorithms.hierarchical is None
+        assert all(algorithms.choose(n) is algorithms.flat for n in (0, 8, 1 << 20, 1 << 30))
+    finally:
+        algorithms.free()
+        topology.free()
+        comm.Free()

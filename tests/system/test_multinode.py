@@ -229,6 +229,11 @@ def test_values_reductions_input_and_checkpoints_across_nodes(cluster, out, devi
         failed = {name: what for name, what in report["checks"].items() if what != "ok"}
         assert not failed, f"rank {rank}: {failed}"
         assert report["host"] == cluster.names[rank // PER_NODE]
+        # The default (hierarchical not set) across nodes: under Open MPI two-level from TWO_LEVEL_FROM bytes (every
+        # piece of the 8 MiB reduction), flat below; under MPICH flat at every size, the two-level algorithm not built.
+        large = "Hierarchical" if cluster.flavour == "openmpi" else "Flat"
+        assert report["auto_picks"] == {"8000": ["Flat"], str(8 << 20): [large]}, report["auto_picks"]
+        assert report["auto_two_level_built"] == (cluster.flavour == "openmpi")
         assert report["local_rank"] == rank % PER_NODE and report["num_nodes"] == NODES
         if device == "standin":
             assert report["device_id"] == rank % PER_NODE, report  # GPU = node-local rank

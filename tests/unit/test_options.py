@@ -40,7 +40,7 @@ def test_options_reject_bad_values(kwargs, text):
         ({"piece_bytes": 2.5e6}, "option piece_bytes must be an integer"),
         ({"check_collectives": "no"}, "option check_collectives must be True or False, got 'no'"),
         ({"node_size": 2.0}, "option node_size must be an integer"),
-        ({"hierarchical": 1}, "option hierarchical must be True or False"),
+        ({"hierarchical": 1}, r"option hierarchical must be True, False or None \(auto\)"),
     ],
 )
 def test_options_of_the_wrong_type_raise_type_error_naming_the_option(kwargs, text):

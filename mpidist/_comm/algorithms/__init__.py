@@ -7,7 +7,8 @@
   within the nodes, across their leaders, within the nodes again.
 
 :class:`Algorithms` builds the algorithms a communicator may use and answers,
-for each reduction, which one reduces it (:meth:`Algorithms.choose`).
+for each reduction, which one reduces it (:meth:`Algorithms.choose`), by the
+rule of :func:`two_level_from`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,40 @@ from typing import Optional
 from mpidist._comm.algorithms.base import Reduction
 from mpidist._comm.algorithms.flat import Flat
 from mpidist._comm.algorithms.hierarchical import Hierarchical
+from mpidist._comm.library import library_version
 from mpidist._comm.topology import Topology
 from mpidist._comm.transport import Transport
 
-__all__ = ["Algorithms", "Flat", "Hierarchical", "Reduction"]
+__all__ = ["TWO_LEVEL_FROM", "Algorithms", "Flat", "Hierarchical", "Reduction", "two_level_from"]
+
+# The smallest reduction (bytes reduced by one call) that takes the two-level algorithm by default across nodes,
+# under Open MPI. Measured with benchmarks/multinode.sh (docs/benchmarks.md, "Across nodes: shaped links"): over
+# links shaped to 1 Gbit/s, with 2 ranks on each of 2 nodes, Open MPI's flat allreduce took 1.1-1.35x the two-level
+# one from 1 MiB on; below, the two took the same time within the noise. Under MPICH the flat allreduce was the
+# faster at every size (its own algorithm already sent each byte once over each link).
+TWO_LEVEL_FROM = 1 << 20
+
+
+def two_level_from(
+    hierarchical: Optional[bool], num_nodes: int, size: int, piece_bytes: int, open_mpi: bool
+) -> Optional[int]:
+    """Local: the smallest reduction (bytes) that takes the two-level algorithm; ``None``: none does.
+
+    ``hierarchical`` (the option): ``True`` every reduction, ``False`` none;
+    ``None`` (auto): under Open MPI (``open_mpi``) from :data:`TWO_LEVEL_FROM`
+    bytes, or from a whole piece where ``piece_bytes`` is smaller (so that every
+    piece of a large reduction takes it), when the ``size`` ranks span
+    ``num_nodes`` > 1 nodes and some node holds more than one of them; otherwise
+    none (with one rank per node the stages within the nodes would reduce
+    nothing; on one node there is nothing to save). Every input is the same on
+    every rank (the options are agreed at creation, the number of nodes is a
+    collective count, every rank runs the same library), and so is the answer.
+    """
+    if hierarchical is not None:
+        return 0 if hierarchical else None
+    if open_mpi and 1 < num_nodes < size:
+        return min(TWO_LEVEL_FROM, piece_bytes)
+    return None
 
 
 class Algorithms:
@@ -32,20 +63,31 @@ class Algorithms:
 
     def __init__(self, transport: Transport, topology: Topology) -> None:
         self.flat = Flat(transport)
-        self.hierarchical: Optional[Hierarchical] = (
-            Hierarchical(transport, topology) if transport.options.hierarchical else None
+        options = transport.options
+        threshold = two_level_from(
+            options.hierarchical,
+            topology.num_nodes,
+            transport.size,
+            options.piece_bytes,
+            topology.num_nodes > 1 and library_version().startswith("Open MPI"),
         )
+        # Built only where some reduction takes it: never on one node unless forced (hierarchical=True).
+        self.hierarchical: Optional[Hierarchical] = None if threshold is None else Hierarchical(transport, topology)
+        self.two_level_from: int = threshold or 0
 
     def choose(self, nbytes: int) -> Reduction:
         """Local: the algorithm that reduces ``nbytes`` bytes, which every rank agreed on.
 
-        The one rule, so every rank picks the same algorithm: today it depends on the
-        options only (two-level with ``options.hierarchical``, flat otherwise). The
-        size, and the topology this object was built with, are its inputs so that a
-        later rule can use them, alike on every rank.
+        The one rule, so every rank picks the same algorithm: two-level from
+        :attr:`two_level_from` bytes where the algorithm was built
+        (:func:`two_level_from`: from the options, the agreed number of nodes and
+        ranks), flat otherwise. Without the two-level algorithm (one node, or
+        ``hierarchical=False``) it is one attribute test.
         """
         hierarchical = self.hierarchical
-        return self.flat if hierarchical is None else hierarchical
+        if hierarchical is None or nbytes < self.two_level_from:
+            return self.flat
+        return hierarchical
 
     def free(self) -> None:
         """Collective: release what the algorithms hold."""

@@ -7,9 +7,11 @@ with its host, node-local rank and what the scenario found. Expectations are der
 rank, size and ``MULTINODE_PER_NODE`` (ranks per node, consecutive ranks share a node):
 
 - ``basics``: node detection, node-local rank and the GPU it binds (``MULTINODE_DEVICE=gpu``
-  with the CuPy stand-in on ``PYTHONPATH``), plain and hierarchical reductions, fused and flat
-  variable updates, input sharding, checkpoint save and restore into ``MULTINODE_CKPT`` with the
-  bytes each rank read (``/proc/self/io``). A failed check is recorded, not raised.
+  with the CuPy stand-in on ``PYTHONPATH``), plain and hierarchical reductions, the default's
+  choice between the two (``auto_picks``: the algorithm of each call of a small and a large
+  reduction, whose results equal forced flat ones), fused and flat variable updates, input
+  sharding, checkpoint save and restore into ``MULTINODE_CKPT`` with the bytes each rank read
+  (``/proc/self/io``). A failed check is recorded, not raised.
 - ``safety``: a shape that differs on the last rank, an invalid reduce op on the last rank, and
   a deadline (the first rank of the last node stays away from a barrier), each recorded as the
   error every rank raised.
@@ -118,6 +120,30 @@ def basics():
             assert np.allclose(host(value), (size - 1) / 2)
 
         s.free()
+
+    auto = md.MPIStrategy(device=device, timeout=60)  # hierarchical not set: mpidist decides per reduction
+    forced_flat = md.MPIStrategy(device=device, timeout=60, hierarchical=False)
+
+    @check("reduce-auto")
+    def _():
+        picked = report["auto_picks"] = {}
+        for n in (1000, 1 << 20):  # 7.8 KiB and 8 MiB of float64: a small and a large reduction
+            mine = np.arange(n, dtype=np.float64) % 997 + rank + 1  # sums exact in any order
+            expected = (np.arange(n) % 997 + 1) * size + size * (size - 1) // 2
+            for how, reduce in (
+                ("allreduce", lambda s: host(s.communicator.allreduce(xp.asarray(mine)))),
+                ("strategy.reduce", lambda s: host(s.reduce("sum", xp.asarray(mine), out=xp.empty(n)))),
+            ):
+                got, flat = reduce(auto), reduce(forced_flat)
+                assert np.array_equal(got, expected) and np.array_equal(got, flat), (how, n, got[:3], flat[:3])
+            # what each call of the auto strategy took: the whole array (allreduce), its pieces (strategy.reduce)
+            algorithms = auto.communicator._algorithms
+            pieces = {min(n * 8, auto.options.piece_bytes)}
+            picked[str(n * 8)] = sorted({type(algorithms.choose(b)).__name__ for b in (n * 8, *pieces)})
+        report["auto_two_level_built"] = auto.communicator._algorithms.hierarchical is not None
+
+    auto.free()
+    forced_flat.free()
 
     for flat in (False, True):
         s = md.MPIStrategy(device=device, timeout=60, flat_variables=flat, piece_bytes=2048, fusion_bytes=512)
