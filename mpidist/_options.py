@@ -41,7 +41,7 @@ def _parse_auto_bool(text: str) -> Optional[bool]:
         raise ValueError(f"expected auto or one of 1/0, true/false, yes/no, on/off, got {text!r}") from None
 
 
-def _parse_timeout(text: str) -> Optional[float]:
+def _parse_seconds(text: str) -> Optional[float]:
     low = text.strip().lower()
     if low in ("", "none", "off"):
         return None
@@ -60,7 +60,7 @@ def _parse_choice(*choices: str) -> Callable[[str], str]:
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "timeout": _parse_timeout,
+    "timeout": _parse_seconds,
     "check_collectives": _parse_bool,
     "device": _parse_choice("auto", "cpu", "gpu"),
     "cuda_aware": _parse_choice("auto", "1", "0"),
@@ -73,6 +73,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "hierarchical": _parse_auto_bool,
     "node_size": int,
     "flat_variables": _parse_bool,
+    "straggler_threshold": float,
+    "straggler_window": int,
+    "straggler_interval": _parse_seconds,
 }
 
 
@@ -83,8 +86,9 @@ class Options:
     Attributes:
         timeout: seconds a rank waits in a collective for the others before
             raising :class:`~mpidist.CollectiveTimeoutError` naming the ranks
-            that have not arrived; a warning names them halfway (at most a
-            minute in). Default 600: far longer than any healthy collective
+            that have not arrived, with the collective each made last, and
+            the ``file:line`` at which every other rank waits; a warning says
+            the same halfway (at most a minute in). Default 600: far longer than any healthy collective
             or the imbalance between steps of a training loop, short enough
             that a hung job fails with a diagnosis instead of burning its
             allocation (the same reasoning as NCCL's ten-minute watchdog).
@@ -148,6 +152,18 @@ class Options:
             buffers (slabs, one series per dtype), so that a fused update of
             many of them is one reduction in pieces, with no packing
             (``MPIDIST_FLAT_VARIABLES``).
+        straggler_threshold: rank 0 logs a line naming a rank whose time
+            between collectives (outside waiting for the other ranks) is
+            persistently at least this fraction above the mean of the other
+            ranks': 0.2 is 20% (``MPIDIST_STRAGGLER_THRESHOLD``). Measured
+            whenever the ranks agree on their collectives; see
+            ``docs/finding-slow-ranks-straggler.md``.
+        straggler_window: how many of the latest collectives the straggler
+            report judges, in stretches of 16: a rank is named when it was that
+            much slower in at least half the window's stretches
+            (``MPIDIST_STRAGGLER_WINDOW``).
+        straggler_interval: at most one straggler line per this many
+            seconds; ``None`` (or 0) logs none (``MPIDIST_STRAGGLER_INTERVAL``).
     """
 
     timeout: Optional[float] = 600.0
@@ -163,6 +179,9 @@ class Options:
     hierarchical: Optional[bool] = None
     node_size: int = 0
     flat_variables: bool = False
+    straggler_threshold: float = 0.2
+    straggler_window: int = 128
+    straggler_interval: Optional[float] = 60.0
     pipeline_bytes: dataclasses.InitVar[Optional[int]] = None  # the former name of piece_bytes
 
     def __post_init__(self, pipeline_bytes: Optional[int]) -> None:
@@ -176,10 +195,18 @@ class Options:
             object.__setattr__(self, "piece_bytes", pipeline_bytes)
         for field in dataclasses.fields(self):
             _check_type(field.name, getattr(self, field.name))
-        if self.timeout == 0:
-            object.__setattr__(self, "timeout", None)  # 0 means no deadline, as in MPIDIST_TIMEOUT=0
-        if self.timeout is not None and not self.timeout > 0:
-            raise ValueError(f"option timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        for name in ("timeout", "straggler_interval"):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, None)  # 0 means none, as in MPIDIST_TIMEOUT=0
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(
+                    f"option {name} must be a positive number of seconds or None, got {getattr(self, name)!r}"
+                )
+        if not self.straggler_threshold > 0 or self.straggler_window < 1:
+            raise ValueError(
+                f"options straggler_threshold and straggler_window must be > 0 and >= 1, "
+                f"got {self.straggler_threshold!r} and {self.straggler_window!r}"
+            )
         if self.check_mirrored_every < 0:
             raise ValueError(f"option check_mirrored_every must be >= 0, got {self.check_mirrored_every!r}")
         if self.fusion_bytes < 0 or self.node_size < 0:
@@ -235,6 +262,9 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "hierarchical": ((bool, type(None)), "True, False or None (auto)"),
     "node_size": ((int,), "an integer"),
     "flat_variables": ((bool,), "True or False"),
+    "straggler_threshold": ((int, float), "a number (0.2 is 20%)"),
+    "straggler_window": ((int,), "an integer number of collectives"),
+    "straggler_interval": ((int, float, type(None)), "a number of seconds or None"),
 }
 
 # MPIDIST_* variables of the project's own scripts and tests, which are not options.

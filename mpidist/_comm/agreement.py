@@ -16,13 +16,15 @@ communicator. Each rank fills the record with
   its square, so that a rank that skipped a step disagrees in that step;
 - counters: 1 if this rank's own arguments are invalid, 1 if its data holds
   NaN or Inf (with ``check_finite``), 1 if it is leaving the job, 1 if it
-  asks for a coordinated stop; then five reserved slots, 0 today (a
-  fault-tolerance flag, per-rank timing sums, a wire-encoding id: see
-  docs/collective-safety.md);
+  asks for a coordinated stop; then three reserved slots, 0 today (a
+  fault-tolerance flag, a wire-encoding id: see docs/collective-safety.md);
 - for a small ``SUM``/``MEAN`` reduction of a host array, the data itself
   (up to :data:`SMALL` elements), so that the agreement and the reduction are
   one MPI call; for a small alltoall, a grid of its rows or counts in which
-  each rank fills its own column (:class:`~mpidist._comm.exchange.AlltoallPlan`).
+  each rank fills its own column (:class:`~mpidist._comm.exchange.AlltoallPlan`);
+- last, five slots of the straggler report (:mod:`~mpidist._comm.straggler`),
+  written once per stretch of collectives and never compared: this rank's time
+  outside waiting in the last stretch and its square, and its late mark.
 
 Every rank then sees the sums. All ranks sent the same value ``v`` exactly
 when ``sum(v) == N*v`` and ``sum(v**2) == N*v**2`` (the squared deviations from
@@ -34,10 +36,14 @@ differ" (or some rank's arguments are invalid, or some data is not finite)
 do the ranks gather per-rank descriptions (a second, variable-size exchange)
 to name the ranks and what each of them passed.
 
-Cost per rank and collective: one allreduce of ``8 * (SMALL + 19)`` bytes,
+Cost per rank and collective: one allreduce of ``8 * (SMALL + 22)`` bytes,
 ``O(log N)`` latency, the same size at any ``N``; nothing more unless
 something is wrong. A deadline (``options.timeout``) is honoured by polling
 the request (:meth:`~mpidist._comm.deadline.Deadline.poll`).
+
+Each call's ``file:line`` in the program is found (a walk up the stack) the
+first time this rank makes a call of that identity, and when a message needs
+it; never per collective.
 """
 
 from __future__ import annotations
@@ -46,14 +52,17 @@ import enum
 import hashlib
 import math
 import re
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
 
 from mpidist._comm.backend import array_module, device_into_host, is_device_array
+from mpidist._comm.call_site import Site, call_site, caller
 from mpidist._comm.outcome import gather_texts, group_ranks
 from mpidist._comm.reduce_op import ReduceOp
+from mpidist._comm.straggler import STRETCH, Straggler, named_ranks
 from mpidist._comm.transport import Transport
 from mpidist._dtypes import is_bfloat16
 from mpidist._errors import (
@@ -89,17 +98,23 @@ SMALL = 32  # data slots of the record: reductions of up to this many elements n
 _K = 3  # hash words
 
 # Record slots after the data: the flags, the stamp, the hash words (docs/collective-safety.md, "The record").
-# _FAULT, _TIME1, _TIME2, _WIRE1 and _WIRE2 are reserved: 0 on every rank today, so that what later rides in the
-# record (a fault-tolerance flag, per-rank timing sums, a wire-encoding id and its square) changes neither its
-# size nor the agreed verdict of a program that does not use it.
-_BAD, _NONFINITE, _LEAVING, _LEFT1, _LEFT2, _STOP, _FAULT, _TIME1, _TIME2, _WIRE1, _WIRE2, _SEQ = range(
-    SMALL, SMALL + 12
-)
+# _FAULT, _WIRE1 and _WIRE2 are reserved: 0 on every rank today, so that what later rides in the record (a
+# fault-tolerance flag, a wire-encoding id and its square) changes neither its size nor the agreed verdict of a
+# program that does not use it.
+_BAD, _NONFINITE, _LEAVING, _LEFT1, _LEFT2, _STOP, _FAULT, _WIRE1, _WIRE2, _SEQ = range(SMALL, SMALL + 10)
 _HASH = _SEQ + 2  # _SEQ, _SEQ + 1: the stamp s and s**2; then h_k, h_k**2 for k < _K
-_SIZE = _HASH + 2 * _K
+# The straggler report's slots, after what the verdict compares (their sums differ from call to call): a rank's
+# time outside waiting in the last stretch and its square, and its late mark (count, rank+1, (rank+1)**2).
+_TIME1, _TIME2, _LATE, _LATE1, _LATE2 = range(_HASH + 2 * _K, _HASH + 2 * _K + 5)
+_SIZE = _LATE2 + 1
 _CLEAR = (0.0, 0.0, 0.0)
-# The per-collective path spells the offsets of the tail (the record from _BAD on) as literals: check them here.
-assert (_SEQ, _SEQ - _BAD, _HASH - _BAD) == (43, 11, 13), "update the literal offsets in Agreement.agree_array/_verify"
+# The per-collective path spells the offsets of the compared tail (the record from _BAD up to _TIME1) as
+# literals: check them here.
+assert (_SEQ, _SEQ - _BAD, _HASH - _BAD, _TIME1 - _BAD, _TIME1, _LATE2) == (41, 9, 11, 17, 49, 53), (
+    "update the literal offsets in Agreement.agree_planned/_verify/_stretch"
+)
+_STRETCH_MASK = STRETCH - 1  # collective numbers n with n & _STRETCH_MASK == 0 begin a stretch of the straggler report
+assert _STRETCH_MASK == 15, "update the literal stretch mask in Agreement.agree_planned (STRETCH: a power of two)"
 _STEP_STRIDE = 1 << 12  # the stamp is (sequence number + input steps * this) modulo 2**bits
 
 
@@ -400,11 +415,11 @@ class Agreement:
         self._mine: tuple[float, ...] = ()  # the hash words last written
         self._send = np.zeros(_SIZE)
         self._recv = np.zeros(_SIZE)
-        self._tail = self._recv[_BAD:]  # what the verdict reads: flags, stamp, hash words
+        self._tail = self._recv[_BAD:_TIME1]  # what the verdict reads: flags, stamp, hash words
         # the tail of the summed record when every rank agrees on the call last written: flags and reserved
         # slots 0, the stamp's sums (set per call), the hash words' sums (set with _mine); the per-collective
-        # path compares it with the summed tail as two memoryviews (one C comparison of 19 doubles)
-        self._agreed_tail = np.zeros(_SIZE - _BAD)
+        # path compares it with the summed tail as two memoryviews (one C comparison of 17 doubles)
+        self._agreed_tail = np.zeros(_TIME1 - _BAD)
         self._agreed_words, self._tail_words = self._agreed_tail.data, self._tail.data
         self.request: MPI.Prequest = transport.call(
             "agreement setup", transport.comm.Allreduce_init, self._send, self._recv, MPI.SUM
@@ -413,6 +428,15 @@ class Agreement:
         self._carried = 0  # data slots used by the previous record (to zero them lazily)
         self._hashes: dict[tuple, tuple[tuple[float, ...], list[float]]] = {}
         self._plans: dict[tuple, _Plan] = {}
+        # where in the program this rank first made a call of each identity (its hash words)
+        self._sites: dict[tuple[float, ...], Site] = {}
+        # the straggler report: times measured whenever the agreement runs; the waits of blocking MPI calls too
+        transport.time_blocking = self.enabled
+        self.straggler = Straggler(transport.rank, n, o, time.perf_counter())
+        self._mark: tuple[float, float, float] = _CLEAR  # the late mark in the record
+        # item access at C speed (Any: typeshed types a memoryview's items as ints; these are float64)
+        self._send_words: Any = self._send.data
+        self._recv_words: Any = self._recv.data
         self.stop_requested = False  # this rank asks for a coordinated stop (carried in the next record)
         self.stop_agreed = False  # some rank asked; every rank learns it at the same collective
         self._steps_term = 0  # the input steps' part of the stamp: input_steps * _STEP_STRIDE
@@ -537,15 +561,18 @@ class Agreement:
         self._carried = carry
         agreed = self._agreed_tail
         if mine is not self._mine:
-            self._send[_HASH:] = self._mine = mine
-            agreed[13:] = expected
+            self._send[_HASH:_TIME1] = self._mine = mine
+            agreed[11:] = expected
+            t.recent = (seq, call, self._sites.get(mine), *t.recent[1:3])
         s = float((seq + self._steps_term) & self._mask)
         send = self._send
-        send[43] = s  # _SEQ, spelled out on this path
-        send[44] = s2 = s * s
+        send[41] = s  # _SEQ, spelled out on this path
+        send[42] = s2 = s * s
         n = t.size
-        agreed[11] = n * s
-        agreed[12] = n * s2
+        agreed[9] = n * s
+        agreed[10] = n * s2
+        if not seq & 15:  # _STRETCH_MASK, spelled out: the first collective of a stretch of the straggler report
+            self._stretch(seq)
         request = self.request
         request.Start()
         t.poll(request, call)  # its first step is a test
@@ -627,12 +654,27 @@ class Agreement:
             self._flags = _CLEAR if flags == _CLEAR else flags
         mine, expected = self._identity(call, carry)
         if mine is not self._mine:
-            send[_HASH:] = self._mine = mine
-            self._agreed_tail[13:] = expected
+            send[_HASH:_TIME1] = self._mine = mine
+            self._agreed_tail[_HASH - _BAD :] = expected
+            t.recent = (t.seq, call, self._sites.get(mine), *t.recent[1:3])
         s = self._stamp()
         send[_SEQ] = s
         send[_SEQ + 1] = s * s
+        if not t.seq & _STRETCH_MASK:
+            self._stretch(t.seq)
         return carry, expected
+
+    def _stretch(self, seq: int) -> None:
+        """Local, at collective ``seq``, the first of a stretch: the straggler report's turn (its slots of the
+        record: read what the last record summed, write this rank's new values)."""
+        got, put = self._recv_words, self._send_words
+        a, mark = self.straggler.stretch(
+            time.perf_counter(), self.transport.waited, got[49], got[50], got[51], got[52], got[53], seq
+        )
+        put[49] = a  # _TIME1 and on, spelled out
+        put[50] = a * a
+        if mark is not self._mark:
+            put[51], put[52], put[53] = self._mark = mark
 
     def leave(self) -> bool:
         """Collective with whatever the other ranks do next, nonblocking: start announcing that this rank exits.
@@ -653,7 +695,8 @@ class Agreement:
         send = self._send
         send[:] = 0.0
         self._carried = 0
-        self._flags, self._mine = _CLEAR, ()
+        self._flags, self._mine, self._mark = _CLEAR, (), _CLEAR
+        t.recent = (t.seq, None, None, None, None)
         r = float(t.rank + 1)
         send[_LEAVING], send[_LEFT1], send[_LEFT2] = 1.0, r, r * r
         t.call("agreement", self.request.Start)
@@ -673,6 +716,7 @@ class Agreement:
         if found is None:
             if len(self._hashes) > 4096:
                 self._hashes.clear()
+                self._sites.clear()
             digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=16).digest(), "little")
             mask = (1 << self._bits) - 1
             words = [float((digest >> (k * self._bits)) & mask) for k in range(_K)]
@@ -680,6 +724,7 @@ class Agreement:
             n = self.transport.size
             found = (mine, [n * x for x in mine])
             self._hashes[key] = found
+            self._sites[mine] = caller()
         return found
 
     def _verify(
@@ -689,7 +734,7 @@ class Agreement:
         t = self.transport
         tail = self._tail.tolist()
         n, s = t.size, self._stamp()
-        if tail[13:] == expected and tail[11] == n * s and tail[12] == n * s * s and not any(tail[:11]):
+        if tail[11:] == expected and tail[9] == n * s and tail[10] == n * s * s and not any(tail[:9]):
             return self._recv[:carry] if carry else None  # the common case
         bad, nonfinite, leaving, left1, left2, stop = tail[:6]
         if stop:
@@ -698,9 +743,9 @@ class Agreement:
             t.broken = "a rank left the job"
             raise RankLeftError(
                 _left_message(t.rank, int(leaving), left1, left2, call.describe(), t.seq),
-                _left_ranks(int(leaving), left1, left2),
+                named_ranks(int(leaving), left1, left2),
             )
-        if bad or not (tail[13:] == expected and tail[11] == n * s and tail[12] == n * s * s):
+        if bad or not (tail[11:] == expected and tail[9] == n * s and tail[10] == n * s * s):
             self._mismatch(call, error)
         if nonfinite:
             self._nonfinite(call)
@@ -713,7 +758,9 @@ class Agreement:
         else:
             mine = "\n".join([call.describe(), *call.layout()])
         steps = f" after {self.input_steps} input steps" if self.input_steps else ""
-        texts = gather_texts(t, "agreement details", f"#{t.seq}{steps} {mine}")
+        head, *layout = mine.split("\n")
+        site = call_site()
+        texts = gather_texts(t, "agreement details", "\n".join([f"#{t.seq}{steps} {head}{_at(site)}", *layout]))
         heads = {r: text.split("\n", 1)[0] for r, text in enumerate(texts)}
         lines = group_ranks(heads, things="calls")
         layouts = [text.split("\n")[1:] for text in texts]
@@ -776,9 +823,17 @@ def _input_steps(text: str) -> int:
 
 
 def _input_steps_differ(texts: list[str]) -> bool:
-    """Whether the ranks' descriptions differ in the input steps, and in nothing else."""
-    calls = {re.sub(r"^(#\d+)( after \d+ input steps)? ", r"\1 ", text) for text in texts}
+    """Whether the ranks' descriptions differ in the input steps, and in nothing else (their call sites aside)."""
+    calls = {re.sub(_SITE, "", re.sub(r"^(#\d+)( after \d+ input steps)? ", r"\1 ", text), count=1) for text in texts}
     return len(calls) == 1 and len({_input_steps(text) for text in texts}) > 1
+
+
+_SITE = re.compile(r" at [^\n]*:\d+$", re.MULTILINE)  # the call site ending the first line of a description
+
+
+def _at(site: str) -> str:
+    """`` at train.py:88`` (nothing without a site)."""
+    return f" at {site}" if site else ""
 
 
 def _nonfinite(data: CallData) -> bool:
@@ -811,19 +866,8 @@ def _option_differences(layouts: list[list[str]]) -> str:
     return "; ".join(differences)
 
 
-def _left_ranks(count: int, s1: float, s2: float) -> tuple[int, ...]:
-    """The ranks that left, from their count and the sums of (rank+1) and (rank+1)**2 (exact for 1 or 2)."""
-    if count == 1:
-        return (int(s1) - 1,)
-    if count == 2:
-        # a + b = s1, a**2 + b**2 = s2  ->  a, b = (s1 -+ sqrt(2*s2 - s1**2)) / 2
-        d = math.isqrt(int(2 * s2 - s1 * s1))
-        return (int(s1 - d) // 2 - 1, int(s1 + d) // 2 - 1)
-    return ()
-
-
 def _left_message(rank: int, count: int, s1: float, s2: float, what: str, seq: int) -> str:
-    ranks = _left_ranks(count, s1, s2)
+    ranks = named_ranks(count, s1, s2)
     who = f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}" if ranks else f"{count} ranks"
     return on_rank(
         rank,

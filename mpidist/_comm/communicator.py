@@ -1040,8 +1040,11 @@ def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Ex
     )
 
 
-# Options that may differ between ranks: where this rank's arrays live, and what it does on an error.
-_LOCAL_OPTIONS = frozenset({"device", "cuda_aware", "abort_on_error"})
+# Options that may differ between ranks: where this rank's arrays live, what it does on an error, and how it judges
+# and reports stragglers (the report's record slots are written alike whatever they are).
+_LOCAL_OPTIONS = frozenset(
+    {"device", "cuda_aware", "abort_on_error", "straggler_threshold", "straggler_window", "straggler_interval"}
+)
 
 
 def _nothing(_: Optional[np.ndarray]) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 from mpi4py import MPI
 
+from mpidist._comm.call_site import Site
 from mpidist._comm.deadline import Deadline, note_deadline_error
 from mpidist._comm.reduce_op import ReduceOp
 from mpidist._errors import CollectiveTimeoutError, CommError, on_rank
@@ -55,8 +56,13 @@ class Transport(Deadline):
         self.broken = None
         self.yield_while_waiting = False
         self.queries = 0
+        self.replies: list[MPI.Request] = []
         self.handles: dict[Handle, None] = {}  # nonblocking collectives in flight, in start order
         self.stranded: list[MPI.Request] = []  # requests a deadline gave up on (they keep their buffers)
+        self.waited = 0.0
+        # whether blocking MPI calls (no timeout) add their time to waited: when the straggler report runs
+        self.time_blocking = False
+        self.recent: tuple[int, object, Site, object, Site] = (0, None, None, None, None)
 
     @property
     def freed(self) -> bool:
@@ -122,20 +128,26 @@ class Transport(Deadline):
         best); with one, the nonblocking form polled against the deadline.
         """
         if self.options.timeout is None:
+            start = time.perf_counter() if self.time_blocking else 0.0
             try:  # as call() does, one Python call less (the per-reduction path)
                 getattr(comm or self.comm, mpi_name)(*args)
             except MPI.Exception as exc:
                 raise self.error(what, exc) from exc
+            if start:
+                self.waited += time.perf_counter() - start
         else:
             self.wait([self.start(mpi_name, *args, comm=comm)], what)
 
     def wait(self, requests: list[MPI.Request], what: str) -> None:
         """Local: complete ``requests``, polling against the timeout when one is set."""
         if self.options.timeout is None:
+            start = time.perf_counter() if self.time_blocking else 0.0
             try:
                 MPI.Request.Waitall(requests)
             except MPI.Exception as exc:
                 raise CommError(on_rank(self.rank, f"{what} failed in MPI: {exc.Get_error_string()}")) from exc
+            if start:
+                self.waited += time.perf_counter() - start
             return
         for request in requests:
             self.poll(request, what)

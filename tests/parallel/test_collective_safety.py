@@ -68,6 +68,13 @@ def test_a_bad_argument_on_one_rank_is_an_error_on_every_rank(n, tmp_path):
         assert seen[r]["after"][1] == f"ok {float(n)}"
 
 
+def site(marker: str) -> str:
+    """``file:line`` of the line of the job marked ``# site: <marker>``, as mpidist names a call there."""
+    lines = Path(JOB).read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, start=1) if text.endswith(f"# site: {marker}"))
+    return f"{os.path.relpath(JOB)}:{line}"
+
+
 @pytest.mark.parametrize("n", RANKS)
 def test_mismatches_are_errors_on_every_rank_naming_both_sides(n, tmp_path):
     seen = launch(n, "mismatch", tmp_path)
@@ -78,14 +85,49 @@ def test_mismatches_are_errors_on_every_rank_naming_both_sides(n, tmp_path):
         "variable_name": ("'weights'", "'bias'"),
         "empty_nest": ("2 arrays", "0 arrays"),
         "reduce_scatter_counts_differ": ("counts",),
+        # each group's call site
+        "call_sites": (
+            f"{others}: #{{}} allreduce(sum) of 'array' float64[2] at {site('mismatch good')}",
+            f"rank {n - 1}: #{{}} broadcast(root=0) of 'array' float64[2] at {site('mismatch bad')}",
+        ),
     }
     for r in range(n):
         for case, expected in words.items():
             seconds, outcome = seen[r][case]
             assert outcome.startswith(f"CollectiveMismatchError: rank {r}: ranks disagree"), (case, r, outcome)
-            assert all(w in outcome for w in expected) and seconds < 15, (case, outcome)
+            number = outcome.split("#", 1)[1].split(" ", 1)[0]
+            assert all(w.format(number) in outcome for w in expected) and seconds < 15, (case, outcome)
         assert f"{others}: #" in seen[r]["shape"][1] and f"rank {n - 1}: #" in seen[r]["shape"][1]
         assert seen[r]["after"][1] == f"ok {float(n)}"
+
+
+@pytest.mark.parametrize("n", [2, 3])  # the test names the waiting ranks' lines for 2 and 3
+def test_a_stall_says_where_every_rank_is_in_the_warning_and_at_the_deadline(n, tmp_path):
+    """The last rank is late past the warning, then past the deadline: the others name their own lines and the
+    line of the late rank's last collective."""
+    seen = launch(n, "stall", tmp_path, failed=True)  # a caught deadline error fails the job
+    bad = n - 1
+    call = "(#{} allreduce(sum) of 'grads' float64[3])"
+    waiting = [f"rank 0 waits at {site('wait 0')} {call}"] + (
+        [f"rank 1 waits at {site('wait')} {call}"] if n > 2 else []
+    )
+    late = (
+        f"rank {bad} has not answered (outside mpidist, or unreachable), last seen in #{{}} broadcast(root=0) of "
+        f"'w' float64[2], a call this rank first made at {site('last seen')}"
+    )
+    for r in range(n):
+        assert seen[r]["warning"][1] == f"ok [{n}. {n}. {n}.]"  # the late rank arrived before the deadline
+    for r in range(n - 1):
+        line = site("wait 0" if r == 0 else "wait").rsplit(":", 1)[1]
+        for phase in ("warning", "deadline"):
+            warning = seen[r][f"{phase}-warning"][1]  # shown at the line of the program's call
+            number = int(warning.split("(collective #", 1)[1].split(")", 1)[0])
+            assert warning.startswith(f"{JOB}:{line}: rank {r}: still waiting after"), warning
+            assert all(w.format(number) in warning for w in waiting) and late.format(number - 1) in warning, warning
+        seconds, outcome = seen[r]["deadline"]
+        assert outcome.startswith(f"CollectiveTimeoutError: rank {r}: allreduce(sum) of 'grads' float64[3]"), outcome
+        assert all(w.format(number) in outcome for w in waiting) and late.format(number - 1) in outcome, outcome
+        assert 2 <= seconds < 3.5, (seconds, outcome)  # the deadline and its grace: a doubled deadline fails
 
 
 @pytest.mark.parametrize("n", RANKS)
@@ -97,7 +139,7 @@ def test_a_rank_that_stays_away_is_named_at_the_deadline(n, tmp_path):
         seconds, outcome = seen[r]["deadline"]
         assert outcome.startswith(f"CollectiveTimeoutError: rank {r}: "), outcome
         # the deadline plus its grace (0.3 s), with room for 8 ranks on 2 cores: a doubled deadline fails
-        assert f"rank {bad} has not arrived" in outcome and 3 <= seconds <= 5.5, (seconds, outcome)
+        assert f"rank {bad} has not answered" in outcome and 3 <= seconds <= 5.5, (seconds, outcome)
 
 
 @pytest.mark.parametrize("n", RANKS)

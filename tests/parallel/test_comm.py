@@ -326,10 +326,10 @@ def test_timeout_names_the_missing_rank():
         elapsed = time.monotonic() - start
         assert 1.0 <= elapsed < 1.9, elapsed  # the deadline plus its short grace: a doubled deadline fails
         assert info.value.missing_ranks == (1,)
-        assert "rank 1 has not arrived" in str(info.value)
+        assert "rank 1 has not answered" in str(info.value)
         assert str(info.value).startswith(on_rank(c.rank, ""))  # the one rank prefix, error and warning alike
         assert any(
-            str(w.message).startswith(on_rank(c.rank, "still waiting")) and "rank 1 has not arrived" in str(w.message)
+            str(w.message).startswith(on_rank(c.rank, "still waiting")) and "rank 1 has not answered" in str(w.message)
             for w in caught
         )
         with pytest.raises(Exception, match="unusable"):

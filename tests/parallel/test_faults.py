@@ -41,7 +41,7 @@ def test_rank_skipping_a_collective_is_named_within_the_timeout(tmp_path):
     result, seen = launch(3, "skip_collective", tmp_path, FAULT_TIMEOUT=str(timeout))
     assert seen.get(1) == "skipped the collective", result.describe()
     for rank in (0, 2):
-        pattern = r"CollectiveTimeoutError after ([\d.]+) s missing=\[1\]: .*rank 1 has not arrived"
+        pattern = r"CollectiveTimeoutError after ([\d.]+) s missing=\[1\]: .*rank 1 has not answered"
         match = re.match(pattern, seen.get(rank, ""))
         assert match, result.describe()
         assert timeout <= float(match.group(1)) <= 1.6 * timeout, result.describe()  # a doubled deadline fails

@@ -99,7 +99,7 @@ def test_a_late_rank_learns_that_its_call_was_abandoned(n, tmp_path):
     for r in range(late):
         seconds, outcome = seen[r]["reduce"]
         assert outcome.startswith(f"CollectiveTimeoutError: rank {r}: "), result.describe()
-        assert f"rank {late} has not arrived" in outcome and 2.0 <= seconds < 2.0 + 2, result.describe()
+        assert f"rank {late} has not answered" in outcome and 2.0 <= seconds < 2.0 + 2, result.describe()
         assert (tmp_path / f"unclosed{r}.txt").read_text() == "written after the deadline error"
     seconds, outcome = seen[late]["reduce"]
     if outcome == f"ok {[float(n)] * 2}":  # every rank's data had arrived: the sum is right

@@ -26,6 +26,9 @@ def test_options_precedence_keyword_over_environment_over_default():
         ({"device": "tpu"}, "expected one of auto, cpu, gpu"),
         ({"cuda_aware": "maybe"}, "expected one of auto, 1, 0"),
         ({"colour": 1}, "unknown mpidist option"),
+        ({"straggler_threshold": 0}, "straggler_threshold and straggler_window must be > 0 and >= 1"),
+        ({"straggler_window": 0}, "straggler_threshold and straggler_window must be > 0 and >= 1"),
+        ({"straggler_interval": -5}, "straggler_interval must be a positive number of seconds or None"),
     ],
 )
 def test_options_reject_bad_values(kwargs, text):
@@ -41,6 +44,8 @@ def test_options_reject_bad_values(kwargs, text):
         ({"check_collectives": "no"}, "option check_collectives must be True or False, got 'no'"),
         ({"node_size": 2.0}, "option node_size must be an integer"),
         ({"hierarchical": 1}, r"option hierarchical must be True, False or None \(auto\)"),
+        ({"straggler_window": 128.0}, "option straggler_window must be an integer number of collectives"),
+        ({"straggler_threshold": "20%"}, "option straggler_threshold must be a number"),
     ],
 )
 def test_options_of_the_wrong_type_raise_type_error_naming_the_option(kwargs, text):
@@ -75,6 +80,14 @@ def test_default_deadline_is_finite_and_zero_turns_it_off():
         assert Options.resolve(env={"MPIDIST_TIMEOUT": text}).timeout is None
     assert Options.resolve(env={}, timeout=0).timeout is None
     assert Options.resolve(env={}, timeout=None).timeout is None
+
+
+def test_straggler_options_come_from_the_environment_and_zero_turns_the_lines_off():
+    assert (Options().straggler_threshold, Options().straggler_window, Options().straggler_interval) == (0.2, 128, 60)
+    env = {"MPIDIST_STRAGGLER_THRESHOLD": "0.5", "MPIDIST_STRAGGLER_WINDOW": "64", "MPIDIST_STRAGGLER_INTERVAL": "off"}
+    opts = Options.resolve(env=env)
+    assert (opts.straggler_threshold, opts.straggler_window, opts.straggler_interval) == (0.5, 64, None)
+    assert Options.resolve(env={}, straggler_interval=0).straggler_interval is None
 
 
 def test_misspelt_environment_variables_warn_once_with_the_closest_option(recwarn):

@@ -12,6 +12,7 @@ import gc
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -21,6 +22,8 @@ scenario, out_dir = sys.argv[1], sys.argv[2]
 options = {"abort_on_error": False}
 if scenario == "deadline":
     options["timeout"] = 3.0
+elif scenario == "stall":
+    options["timeout"] = 2.0
 strategy = md.MPIStrategy(**options)
 comm = strategy.communicator
 rank, size = strategy.rank, strategy.num_replicas_in_sync
@@ -67,8 +70,15 @@ def _read_only():
     return array
 
 
+def _from_two_lines():
+    if rank == bad:
+        return comm.broadcast(np.ones(2))  # site: mismatch bad
+    return comm.allreduce(np.ones(2))  # site: mismatch good
+
+
 MISMATCHES = {
     "shape": lambda: comm.allreduce(np.ones(2 + (rank == bad))),
+    "call_sites": _from_two_lines,
     "reduce_scatter_counts_differ": lambda: comm.reduce_scatter(
         np.ones((2 * size, 2)), counts=[2 * size if r == rank % size else 0 for r in range(size)]
     ),
@@ -95,6 +105,24 @@ with strategy.scope():
             time.sleep(options["timeout"] + 4)
         else:
             case("deadline", lambda: comm.allreduce(np.ones(3)))
+    elif scenario == "stall":
+        # the last rank is late twice: past the warning (halfway to the deadline), then past the deadline; the
+        # others wait for it in one collective, rank 0 at a line of its own
+        weights = np.ones(2)
+        for phase, late in (("warning", 1.5), ("deadline", 4.5)):
+            comm.broadcast(weights, name="w")  # site: last seen
+            if rank == bad:
+                time.sleep(late)
+                case(phase, lambda: comm.allreduce(np.ones(3), name="grads"))
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if rank == 0:
+                    case(phase, lambda: comm.allreduce(np.ones(3), name="grads"))  # site: wait 0
+                else:
+                    case(phase, lambda: comm.allreduce(np.ones(3), name="grads"))  # site: wait
+            for warning in caught:
+                record(f"{phase}-warning", time.monotonic(), f"{warning.filename}:{warning.lineno}: {warning.message}")
     elif scenario == "early_exit":
         comm.barrier()
         if rank == bad:
