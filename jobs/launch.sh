@@ -42,6 +42,23 @@ load_mpi_env() {
   return 0
 }
 
+# With MPIDIST_FAULT_TOLERANCE on (1, true, yes, on), the launcher flags that let the survivors of a
+# dead rank carry on under MPI $1 (openmpi or mpich), one per line; nothing when it is off. Open MPI:
+# --with-ft ulfm, and no PMIx barrier at the start of MPI_Finalize (OMPI_MCA_async_mpi_finalize=1,
+# exported unless set: with a dead rank that barrier hung about one job in eight at exit). MPICH
+# cannot continue (its fault tolerance is unfinished): nothing, a dead rank costs the survivors a
+# clear error at their next collective or at the deadline (docs/fault-tolerance.md).
+fault_tolerance_flags() {
+  case "$(printf '%s' "${MPIDIST_FAULT_TOLERANCE:-0}" | tr '[:upper:]' '[:lower:]')" in
+    1 | true | yes | on) ;;
+    *) return 0 ;;
+  esac
+  if [ "${1:-}" = openmpi ]; then
+    export OMPI_MCA_async_mpi_finalize="${OMPI_MCA_async_mpi_finalize:-1}"
+    printf '%s\n' --with-ft ulfm
+  fi
+}
+
 # MPICH names a step's shared memory (/dev/shm/mpich_shm_<hash>_<node>, mpich_vci_...) after its
 # PMI name, "<job id>.<step id>" under srun, and joins a segment of that name when one exists. A
 # requeued job keeps its id and numbers its steps from 0 again, so a step of its earlier run that

@@ -9,12 +9,14 @@
 # the first on PATH. Before starting it exports, unless already set, the lines of env.openmpi
 # (Open MPI: allowed to run as root, more ranks than cores, no binding, no libfabric probe) or
 # env.mpich in this folder, and OMP_NUM_THREADS=1 (raise it when ranks are fewer than cores).
+# MPIDIST_FAULT_TOLERANCE=1 adds what the MPI needs for the survivors of a dead rank to carry on
+# (Open MPI: --with-ft ulfm; see docs/fault-tolerance.md).
 # On a Slurm cluster use the batch scripts in this folder instead (see docs/slurm.md).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch.sh"
 
 if [ "$#" -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,12s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+  sed -n '2,14s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
   exit 0
 fi
 # The program: the first argument after the mpiexec options (-n N and friends).
@@ -32,6 +34,8 @@ if [ "${#mpiexec[@]}" -eq 0 ]; then
        "(pip install 'mpidist[mpi]' brings Open MPI into the virtual environment) or set MPIDIST_MPIEXEC" >&2
   exit 127
 fi
-load_mpi_env "$(mpi_flavour "${mpiexec[0]}")"
+flavour="$(mpi_flavour "${mpiexec[0]}")"
+load_mpi_env "$flavour"
+mapfile -t ft < <(fault_tolerance_flags "$flavour")
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "${mpiexec[@]}" "$@"
+exec "${mpiexec[@]}" "${ft[@]}" "$@"

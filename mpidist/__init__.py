@@ -30,6 +30,7 @@ from mpidist._errors import (
     MirrorDivergenceError,
     MpidistError,
     NonFiniteError,
+    RankFailedError,
     RankLeftError,
 )
 from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
@@ -74,6 +75,7 @@ __all__ = [
     "NonFiniteError",
     "Options",
     "PerReplica",
+    "RankFailedError",
     "RankLeftError",
     "ReduceOp",
     "ReplicaContext",

@@ -22,6 +22,7 @@ __all__ = [
     "IntegerOverflowError",
     "MirrorDivergenceError",
     "NonFiniteError",
+    "RankFailedError",
     "RankLeftError",
     "on_rank",
 ]
@@ -68,6 +69,25 @@ class RankLeftError(CollectiveTimeoutError):
     the departure rather than at the deadline. ``missing_ranks`` lists the
     ranks that left (when they can be named: one or two at a time).
     """
+
+
+class RankFailedError(CommError):
+    """Ranks died (their process or node failed) while this rank made a collective.
+
+    With ``fault_tolerance`` on, every surviving rank raises it from the
+    collective in which it noticed, within the deadline, once the survivors
+    agreed on who failed and rebuilt the communicator over themselves: the
+    communicator (and the strategy) carry on with the survivors, renumbered
+    in their old order. ``failed_ranks`` are the ranks that died, numbered as
+    in the communicator before the failure (the same tuple on every
+    survivor); ``size`` is the number of survivors. See
+    ``docs/fault-tolerance.md`` for what a program does next.
+    """
+
+    def __init__(self, message: str, failed_ranks: Sequence[int] = (), size: int = 0) -> None:
+        super().__init__(message)
+        self.failed_ranks = tuple(failed_ranks)
+        self.size = size
 
 
 class NonFiniteError(MpidistError, FloatingPointError):

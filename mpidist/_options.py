@@ -76,6 +76,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "straggler_threshold": float,
     "straggler_window": int,
     "straggler_interval": _parse_seconds,
+    "fault_tolerance": _parse_bool,
 }
 
 
@@ -164,6 +165,12 @@ class Options:
             (``MPIDIST_STRAGGLER_WINDOW``).
         straggler_interval: at most one straggler line per this many
             seconds; ``None`` (or 0) logs none (``MPIDIST_STRAGGLER_INTERVAL``).
+        fault_tolerance: when ranks die (their process or node fails), the
+            survivors raise :class:`~mpidist.RankFailedError` naming them and
+            carry on over a communicator of the survivors, where the MPI
+            library can (Open MPI started with ``--with-ft ulfm``: see
+            ``docs/fault-tolerance.md``). Off, a dead rank ends the job (Open
+            MPI) or costs the survivors a clear error (``MPIDIST_FAULT_TOLERANCE``).
     """
 
     timeout: Optional[float] = 600.0
@@ -182,6 +189,7 @@ class Options:
     straggler_threshold: float = 0.2
     straggler_window: int = 128
     straggler_interval: Optional[float] = 60.0
+    fault_tolerance: bool = False
     pipeline_bytes: dataclasses.InitVar[Optional[int]] = None  # the former name of piece_bytes
 
     def __post_init__(self, pipeline_bytes: Optional[int]) -> None:
@@ -265,6 +273,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "straggler_threshold": ((int, float), "a number (0.2 is 20%)"),
     "straggler_window": ((int,), "an integer number of collectives"),
     "straggler_interval": ((int, float, type(None)), "a number of seconds or None"),
+    "fault_tolerance": ((bool,), "True or False"),
 }
 
 # MPIDIST_* variables of the project's own scripts and tests, which are not options.

@@ -16,8 +16,9 @@ communicator. Each rank fills the record with
   its square, so that a rank that skipped a step disagrees in that step;
 - counters: 1 if this rank's own arguments are invalid, 1 if its data holds
   NaN or Inf (with ``check_finite``), 1 if it is leaving the job, 1 if it
-  asks for a coordinated stop; then three reserved slots, 0 today (a
-  fault-tolerance flag, a wire-encoding id: see docs/collective-safety.md);
+  asks for a coordinated stop; then 1 if fault tolerance is on (written
+  once, in the record's template), and two reserved slots, 0 today (a
+  wire-encoding id: see docs/collective-safety.md);
 - for a small ``SUM``/``MEAN`` reduction of a host array, the data itself
   (up to :data:`SMALL` elements), so that the agreement and the reduction are
   one MPI call; for a small alltoall, a grid of its rows or counts in which
@@ -98,9 +99,9 @@ SMALL = 32  # data slots of the record: reductions of up to this many elements n
 _K = 3  # hash words
 
 # Record slots after the data: the flags, the stamp, the hash words (docs/collective-safety.md, "The record").
-# _FAULT, _WIRE1 and _WIRE2 are reserved: 0 on every rank today, so that what later rides in the record (a
-# fault-tolerance flag, a wire-encoding id and its square) changes neither its size nor the agreed verdict of a
-# program that does not use it.
+# _FAULT is 1 on a rank with fault tolerance on (in the template, never written per call); _WIRE1 and _WIRE2
+# are reserved: 0 on every rank today, so that what later rides in the record (a wire-encoding id and its
+# square) changes neither its size nor the agreed verdict of a program that does not use it.
 _BAD, _NONFINITE, _LEAVING, _LEFT1, _LEFT2, _STOP, _FAULT, _WIRE1, _WIRE2, _SEQ = range(SMALL, SMALL + 10)
 _HASH = _SEQ + 2  # _SEQ, _SEQ + 1: the stamp s and s**2; then h_k, h_k**2 for k < _K
 # The straggler report's slots, after what the verdict compares (their sums differ from call to call): a rank's
@@ -421,6 +422,9 @@ class Agreement:
         # path compares it with the summed tail as two memoryviews (one C comparison of 17 doubles)
         self._agreed_tail = np.zeros(_TIME1 - _BAD)
         self._agreed_words, self._tail_words = self._agreed_tail.data, self._tail.data
+        if o.fault_tolerance:  # written once into the template: a rank with the mode off disagrees on every call
+            self._send[_FAULT] = 1.0
+            self._agreed_tail[_FAULT - _BAD] = n
         self.request: MPI.Prequest = transport.call(
             "agreement setup", transport.comm.Allreduce_init, self._send, self._recv, MPI.SUM
         )
@@ -465,6 +469,16 @@ class Agreement:
             self._pending.wait()
         if self.request != MPI.REQUEST_NULL:
             self.request.Free()
+        if self in _live:
+            _live.remove(self)
+
+    def drop(self) -> None:
+        """Local, after ranks died (the transport is broken): let go of the persistent request without waiting."""
+        self._pending = None
+        try:
+            self.request.Free()
+        except MPI.Exception:  # its communicator is revoked: nothing of it can complete
+            pass
         if self in _live:
             _live.remove(self)
 
@@ -744,6 +758,15 @@ class Agreement:
             raise RankLeftError(
                 _left_message(t.rank, int(leaving), left1, left2, call.describe(), t.seq),
                 named_ranks(int(leaving), left1, left2),
+            )
+        if tail[6] != self._agreed_tail[6]:  # _FAULT: ranks with fault tolerance on, summed
+            raise CollectiveMismatchError(
+                on_rank(
+                    t.rank,
+                    f"{int(tail[6])} of {n} ranks have fault_tolerance on in collective #{t.seq} "
+                    f"({call.describe()}); it must be on or off on every rank alike (MPIDIST_FAULT_TOLERANCE); "
+                    "no array was modified.",
+                )
             )
         if bad or not (tail[11:] == expected and tail[9] == n * s and tail[10] == n * s * s):
             self._mismatch(call, error)

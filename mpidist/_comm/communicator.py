@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
@@ -40,10 +41,11 @@ from mpidist._comm.handle import Handle
 from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
+from mpidist._comm.survival import Progress, failed_ranks, progress, revoke, shrink
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
-from mpidist._errors import CollectiveMismatchError, CommError, format_ranks, on_rank
+from mpidist._errors import CollectiveMismatchError, CommError, RankFailedError, format_ranks, on_rank
 from mpidist._options import Options
 
 if TYPE_CHECKING:
@@ -128,15 +130,23 @@ class Communicator:
             raise
         assert backend is not None  # else error was set, and the agreement raised it
         self.backend = backend
-        self._algorithms = Algorithms(self._transport, self._topology)
         install_exit_hook()
+        self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
+        self.cuda_aware = self.cuda_awareness.enabled
+        self._build()
+        self.last_failure: Optional[Failure] = None
+        if options.fault_tolerance:
+            self._transport.on_peer_failure = self._survive
+
+    def _build(self) -> None:
+        """Collective: the algorithms and the collectives' helpers over the private communicator (again after a
+        failure, over the survivors')."""
+        self._algorithms = Algorithms(self._transport, self._topology)
         self.rank: int = self._comm.rank
         self.size: int = self._comm.size
         self.local_size: int = self._topology.node.size
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._transport.yield_while_waiting = self.local_size > cores and "mpich" in library_version().lower()
-        self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
-        self.cuda_aware = self.cuda_awareness.enabled
         self._widening = Widening(self._transport, self._algorithms, self.backend, self.cuda_aware)
         self._fusion = Fusion(
             self._transport, self._agreement, self._algorithms, self.backend, self.cuda_aware, self._widening
@@ -144,6 +154,103 @@ class Communicator:
         self._exchange = Exchange(self._transport, self.backend, self.cuda_aware)
         self._choose = self._algorithms.choose
         self._node_communicator: Optional[Communicator] = None
+
+    # -- surviving dead ranks (fault_tolerance) ------------------------------------------------
+    def _survive(self, what: str, exc: MPI.Exception) -> CommError:
+        """Collective over the survivors (error path, with ``fault_tolerance``): MPI's ``exc`` in ``what``,
+        most likely because ranks died.
+
+        Revokes the private communicator and those split from it (so every
+        survivor, wherever it waits, comes here too), shrinks it to the
+        survivors, exchanges how far each got, and rebuilds this communicator
+        over them; a further failure meanwhile starts again from the shrunk
+        communicator. Returns the :class:`~mpidist.RankFailedError` to raise,
+        the same failed ranks on every survivor; every handle still in flight
+        completed nowhere and raises it too.
+        """
+        t = self._transport
+        begun = time.perf_counter()
+        seq, steps, old_rank = t.seq, self._agreement.input_steps, self.rank
+        before = self._comm.Get_group()
+        handles = list(t.handles)
+        t.broken = "ranks died"  # nothing waits on the old communicators any more
+        t.on_peer_failure = _again
+        comm, dropped = self._comm, self._drop()
+        try:
+            for _ in range(_SURVIVE_TRIES):
+                revoke(comm)
+                shrunk = shrink(comm)
+                try:
+                    found = progress(shrunk, seq, steps)
+                    self._rebuild(shrunk)
+                    break
+                except (MPI.Exception, _Again):  # a further failure: shrink what is left
+                    dropped.append(shrunk)
+                    comm = shrunk
+            else:
+                raise CommError(on_rank(old_rank, f"ranks kept failing while the survivors rebuilt after {what}"))
+        finally:
+            t.on_peer_failure = self._survive
+        failed = failed_ranks(before, shrunk)
+        before.Free()
+        for c in dropped:
+            _free(c)
+        if not failed:  # an MPI error of another kind: the communicator was rebuilt as it was
+            return CommError(on_rank(old_rank, f"MPI error in {what}: {exc.Get_error_string()}"))
+        self.last_failure = Failure(failed, found, time.perf_counter() - begun)
+        many = len(failed) > 1
+        error = RankFailedError(
+            on_rank(
+                old_rank,
+                f"rank{'s' if many else ''} {format_ranks(failed)} died during {what} (collective #{seq}); "
+                f"the {self.size} survivors carry on over a communicator of their own, in their old order "
+                f"(this rank is now rank {self.rank}; rebuilt in {self.last_failure.seconds * 1e3:.0f} ms). "
+                "See docs/fault-tolerance.md for what the program does next.",
+            ),
+            failed,
+            self.size,
+        )
+        error.__cause__ = exc
+        for handle in handles:
+            handle.abandon(error)
+        return error
+
+    def _drop(self) -> list[MPI.Intracomm]:
+        """Local (after ranks died): revoke every communicator this one runs on, and let go of its agreement and
+        node communicator; returns the communicators to free once the survivors have their own."""
+        node = self._node_communicator
+        if node is not None and node is not self:
+            node.abandon()
+        self._node_communicator = None
+        self._agreement.drop()
+        split: list[MPI.Intracomm] = []
+        for c in [*self._algorithms.communicators(), self._topology.node]:
+            if c != MPI.COMM_NULL and all(c != d for d in split):  # the node's may be the topology's
+                revoke(c)
+                split.append(c)
+        return [*split, self._comm]
+
+    def _rebuild(self, comm: MPI.Intracomm) -> None:
+        """Collective over ``comm`` (the survivors' new private communicator): everything this communicator
+        runs on, over it; the input steps and a coordinated stop carry over."""
+        stop = self._agreement.stop_requested or self._agreement.stop_agreed
+        self._transport.rebind(comm)
+        self._comm = comm
+        self._topology = Topology(comm)
+        self.local_rank = self._topology.node.rank
+        self._agreement = Agreement(self._transport)
+        self._agreement.stop_requested = stop
+        self._build()
+
+    def abandon(self) -> None:
+        """Local, after ranks died: this communicator is unusable; revoke its MPI communicators and drop what
+        waits on them, without a collective (its ranks may be dead)."""
+        t = self._transport
+        if t.freed or t.broken == "ranks died":
+            return
+        t.broken = "ranks died"
+        for c in self._drop():
+            _free(c)  # the transport's too: mpi4py's Free() leaves it COMM_NULL, and free() does nothing
 
     @property
     def agreement(self) -> Agreement:
@@ -1018,6 +1125,37 @@ class Communicator:
         )
 
 
+class Failure:
+    """What the last failure of ranks was, as every survivor saw it. Local object.
+
+    ``failed_ranks`` in the numbering before the failure; ``progress`` how far
+    each survivor got (:class:`~mpidist._comm.survival.Progress`, by new rank);
+    ``seconds`` from this rank's first sight of the failure to a working
+    communicator of the survivors.
+    """
+
+    def __init__(self, failed_ranks: list[int], progress: Progress, seconds: float) -> None:
+        self.failed_ranks = failed_ranks
+        self.progress = progress
+        self.seconds = seconds
+
+
+class _Again(CommError):
+    """A further failure while the survivors rebuild (internal: the rebuild starts again)."""
+
+
+def _again(what: str, exc: MPI.Exception) -> CommError:
+    return _Again(f"ranks died during {what}: {exc.Get_error_string()}")
+
+
+def _free(comm: MPI.Intracomm) -> None:
+    """Local: free a communicator that ranks' deaths made useless (revoked; its frees may fail)."""
+    try:
+        comm.Free()
+    except MPI.Exception:
+        pass
+
+
 def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Exception]:
     """Local: why ``out`` cannot receive an allgather of ``array`` whatever the other ranks' lengths, or ``None``."""
     shape = tuple(array.shape) if array.ndim else (1,)
@@ -1039,6 +1177,8 @@ def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Ex
         )
     )
 
+
+_SURVIVE_TRIES = 8  # further failures while the survivors rebuild: each one shrinks what is left
 
 # Options that may differ between ranks: where this rank's arrays live, what it does on an error, and how it judges
 # and reports stragglers (the report's record slots are written alike whatever they are).

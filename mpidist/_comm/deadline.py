@@ -85,6 +85,10 @@ class Deadline:
     # written by the agreement when the identity changes): what _recall reads
     recent: tuple[int, object, Site, object, Site]
 
+    def error(self, what: str, exc: MPI.Exception) -> CommError:
+        """Local: the error to raise for MPI's ``exc`` in ``what`` (the transport's translation)."""
+        raise NotImplementedError
+
     def poll(self, request: MPI.Request, what: object) -> None:
         """Local: complete one request of a collective, honouring ``options.timeout``.
 
@@ -102,78 +106,80 @@ class Deadline:
         told so while it waits raises at once). The time from the first test
         to completion adds up in :attr:`waited` when it outlasts the busy
         polling (shorter waits are far below what the straggler report
-        counts, and the busy polling stays as it was).
+        counts, and the busy polling stays as it was). An MPI error (ranks
+        died, with or without fault tolerance) is raised as :meth:`error`
+        translates it.
         """
-        if request.Test():
-            return
-        if self.broken is not None:  # after a deadline or a departure nothing completes: never wait again
-            raise CommError(on_rank(self.rank, f"communicator unusable: {self.broken}"))
-        timeout = self.options.timeout
-        start = time.perf_counter()
-        if timeout is None:
-            try:
+        try:  # free until an MPI error (Python 3.11); then: which ranks died, or what MPI said
+            if request.Test():
+                return
+            if self.broken is not None:  # after a deadline or a departure nothing completes: never wait again
+                raise CommError(on_rank(self.rank, f"communicator unusable: {self.broken}"))
+            timeout = self.options.timeout
+            start = time.perf_counter()
+            if timeout is None:
                 request.Wait()
-            except MPI.Exception as exc:
-                raise CommError(on_rank(self.rank, f"MPI error in {what}: {exc.Get_error_string()}")) from exc
-            self.waited += time.perf_counter() - start
-            return
-        if self.yield_while_waiting:  # the ranks we wait for may need this core: give it up between tests
-            while time.perf_counter() - start < _SPIN:
-                os.sched_yield()
-                if request.Test():
-                    return
-        else:
-            while time.perf_counter() - start < _SPIN:
-                if request.Test():
-                    return
-        # the ranks whose contribution this rank lacks made the collective before this one (while the ranks
-        # agree on a call), or this one (in its data transfer: they may have started it without waiting)
-        last = self.seq - 1 if not isinstance(what, str) else self.seq
-        begun = time.monotonic()
-        deadline, warn_at = begun + timeout, begun + min(timeout / 2, _STALL)
-        what = str(what)  # the description, built only on this slow path
-        warned = False
-        pause = 0.0
-        while not request.Test():
-            now = time.monotonic()
-            self._answer_queries(what)
-            self.heed_notices(what)
-            if now >= deadline or (not warned and now >= warn_at):
-                found = self._missing(request, what, grace=min(2.0, max(0.2, timeout / 10)))
-                if found is None:
-                    break  # completed while asking
-                places, missing = found
-                where = self._whereabouts(places, missing, last)
-                if now < deadline:
-                    warned = True
-                    _warn_at_caller(
-                        on_rank(
-                            self.rank,
-                            f"still waiting after {now - begun:.3g} s in {what} (collective #{self.seq}); {where}",
+                self.waited += time.perf_counter() - start
+                return
+            if self.yield_while_waiting:  # the ranks we wait for may need this core: give it up between tests
+                while time.perf_counter() - start < _SPIN:
+                    os.sched_yield()
+                    if request.Test():
+                        return
+            else:
+                while time.perf_counter() - start < _SPIN:
+                    if request.Test():
+                        return
+            # the ranks whose contribution this rank lacks made the collective before this one (while the ranks
+            # agree on a call), or this one (in its data transfer: they may have started it without waiting)
+            last = self.seq - 1 if not isinstance(what, str) else self.seq
+            begun = time.monotonic()
+            deadline, warn_at = begun + timeout, begun + min(timeout / 2, _STALL)
+            what = str(what)  # the description, built only on this slow path
+            warned = False
+            pause = 0.0
+            while not request.Test():
+                now = time.monotonic()
+                self._answer_queries(what)
+                self.heed_notices(what)
+                if now >= deadline or (not warned and now >= warn_at):
+                    found = self._missing(request, what, grace=min(2.0, max(0.2, timeout / 10)))
+                    if found is None:
+                        break  # completed while asking
+                    places, missing = found
+                    where = self._whereabouts(places, missing, last)
+                    if now < deadline:
+                        warned = True
+                        _warn_at_caller(
+                            on_rank(
+                                self.rank,
+                                f"still waiting after {now - begun:.3g} s in {what} (collective #{self.seq}); {where}",
+                            )
+                        )
+                        continue
+                    self.broken = f"{what} (collective #{self.seq}) never completed"
+                    self.stranded.append(request)
+                    self._give_up()
+                    raise note_deadline_error(
+                        CollectiveTimeoutError(
+                            on_rank(
+                                self.rank,
+                                f"{what} (collective #{self.seq}) did not complete within {timeout:g} s; "
+                                f"{where}. A rank that skips a collective, calls a different one, "
+                                "or died leaves the others waiting; every rank must call the same collectives in the "
+                                "same order. The communicator is unusable from now on.",
+                            ),
+                            missing,
                         )
                     )
-                    continue
-                self.broken = f"{what} (collective #{self.seq}) never completed"
-                self.stranded.append(request)
-                self._give_up()
-                raise note_deadline_error(
-                    CollectiveTimeoutError(
-                        on_rank(
-                            self.rank,
-                            f"{what} (collective #{self.seq}) did not complete within {timeout:g} s; "
-                            f"{where}. A rank that skips a collective, calls a different one, "
-                            "or died leaves the others waiting; every rank must call the same collectives in the "
-                            "same order. The communicator is unusable from now on.",
-                        ),
-                        missing,
-                    )
-                )
-            if now - begun < _YIELD:  # a late peer (descheduled, a slow piece): keep the progress going
-                os.sched_yield()
-            else:
-                pause = min(1e-3, pause * 2 or 2e-5)
-                time.sleep(pause)
-        self.waited += time.perf_counter() - start
+                if now - begun < _YIELD:  # a late peer (descheduled, a slow piece): keep the progress going
+                    os.sched_yield()
+                else:
+                    pause = min(1e-3, pause * 2 or 2e-5)
+                    time.sleep(pause)
+            self.waited += time.perf_counter() - start
+        except MPI.Exception as exc:
+            raise self.error(str(what), exc) from exc
 
     def _give_up(self) -> None:
         """Local (error path): tell every other rank that this rank gave up on the collective in progress."""

@@ -75,6 +75,13 @@ class Handle:
         if self._stage is not None and self._transport.test(self._stage[0]):
             self._release()
 
+    def abandon(self, error: BaseException) -> None:
+        """Local, after ranks died: this handle completed nowhere; its ``wait()`` raises ``error``."""
+        self._done = True
+        self._failure = error
+        self._keep = None
+        self._transport.handles.pop(self, None)
+
     def test(self) -> bool:
         """Local: whether the operation has completed (advances it; does not run the finishing step)."""
         if self._done:

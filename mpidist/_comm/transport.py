@@ -3,7 +3,9 @@
 A :class:`Transport` owns the duplicate communicator that carries all of
 mpidist's traffic. It numbers the collectives, runs each MPI call (blocking,
 or nonblocking polled against ``options.timeout``: :mod:`~mpidist._comm.deadline`)
-and translates MPI errors into :class:`~mpidist.CommError`. It moves MPI-ready
+and translates MPI errors into :class:`~mpidist.CommError` (an error that says a
+rank died goes to :attr:`Transport.on_peer_failure`, the communicator's recovery
+with ``fault_tolerance``: :mod:`~mpidist._comm.survival`). It moves MPI-ready
 buffers only: what the buffers hold, whether the ranks agree on them and which
 algorithm reduces them is the business of the layers above
 (:mod:`~mpidist._comm.agreement`, :mod:`~mpidist._comm.algorithms`,
@@ -21,7 +23,8 @@ from mpi4py import MPI
 from mpidist._comm.call_site import Site
 from mpidist._comm.deadline import Deadline, note_deadline_error
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._errors import CollectiveTimeoutError, CommError, on_rank
+from mpidist._comm.survival import is_peer_failure, known_failed, revoke
+from mpidist._errors import CollectiveTimeoutError, CommError, format_ranks, on_rank
 from mpidist._options import Options
 
 if TYPE_CHECKING:
@@ -63,6 +66,26 @@ class Transport(Deadline):
         # whether blocking MPI calls (no timeout) add their time to waited: when the straggler report runs
         self.time_blocking = False
         self.recent: tuple[int, object, Site, object, Site] = (0, None, None, None, None)
+        # what an MPI error becomes with fault_tolerance: the communicator's recovery (collective over the
+        # survivors) returning the error to raise; None: a rank's death ends the communicator (peer_failed)
+        self.on_peer_failure: Optional[Callable[[str, MPI.Exception], CommError]] = None
+
+    def rebind(self, comm: MPI.Intracomm) -> None:
+        """Local, after ranks died: carry the survivors' traffic on ``comm`` (their new private communicator).
+
+        Collectives are numbered afresh; what waited on the old communicator
+        (answers to queries, requests a deadline gave up on, handles) is
+        dropped with it.
+        """
+        self.comm = comm
+        self.rank = comm.rank
+        self.size = comm.size
+        self.seq = 0
+        self.broken = None
+        self.replies = []
+        self.stranded = []
+        self.handles = {}
+        self.recent = (0, None, None, None, None)
 
     @property
     def freed(self) -> bool:
@@ -111,8 +134,38 @@ class Transport(Deadline):
             raise self.error(what, exc) from exc
 
     def error(self, what: str, exc: MPI.Exception) -> CommError:
-        """Local: the :class:`~mpidist.CommError` for MPI's ``exc`` in ``what``."""
+        """Local: the :class:`~mpidist.CommError` for MPI's ``exc`` in ``what`` (error path).
+
+        With fault tolerance, what the communicator's recovery returns
+        (:attr:`on_peer_failure`, collective over the survivors), whatever the
+        error class: a rank's death also shows as ``MPI_ERR_OTHER`` on some
+        ranks (seen under Open MPI 5), and a recovery that finds no rank dead
+        returns the plain error. Without, when ``exc`` says that ranks died,
+        :meth:`peer_failed`.
+        """
+        if self.on_peer_failure is not None:
+            return self.on_peer_failure(what, exc)
+        if is_peer_failure(exc):
+            return self.peer_failed(what, exc)
         return CommError(on_rank(self.rank, f"MPI error in {what}: {exc.Get_error_string()}"))
+
+    def peer_failed(self, what: str, exc: MPI.Exception) -> CommError:
+        """Local (error path), without fault tolerance: ranks died; revoke the communicator, so that every
+        survivor's pending and next call fails at once, and return the error naming the ranks this rank knows
+        to be dead. The communicator is unusable from then on."""
+        dead = known_failed(self.comm)
+        revoke(self.comm)
+        who = f"rank{'s' if len(dead) > 1 else ''} {format_ranks(dead)}" if dead else "a rank"
+        self.broken = f"{who} died"
+        return CommError(
+            on_rank(
+                self.rank,
+                f"{who} of this communicator died (MPI: {exc.Get_error_string()}) during {what} "
+                f"(collective #{self.seq}); fault tolerance is off, so the communicator is unusable from now on. "
+                "MPIStrategy(fault_tolerance=True) or MPIDIST_FAULT_TOLERANCE=1 lets the survivors carry on "
+                "(see docs/fault-tolerance.md).",
+            )
+        )
 
     def start(self, mpi_name: str, *args: Any, comm: Optional[MPI.Intracomm] = None) -> MPI.Request:
         """Collective: start the nonblocking form of an MPI collective (``Allreduce`` -> ``Iallreduce``).
@@ -145,7 +198,7 @@ class Transport(Deadline):
             try:
                 MPI.Request.Waitall(requests)
             except MPI.Exception as exc:
-                raise CommError(on_rank(self.rank, f"{what} failed in MPI: {exc.Get_error_string()}")) from exc
+                raise self.error(what, exc) from exc
             if start:
                 self.waited += time.perf_counter() - start
             return

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from mpi4py import MPI
+
 from mpidist._comm.algorithms.base import Reduction
 from mpidist._comm.algorithms.flat import Flat
 from mpidist._comm.algorithms.hierarchical import Hierarchical
@@ -88,6 +90,10 @@ class Algorithms:
         if hierarchical is None or nbytes < self.two_level_from:
             return self.flat
         return hierarchical
+
+    def communicators(self) -> list[MPI.Intracomm]:
+        """Local: the communicators split for the algorithms (revoked with the private one when ranks die)."""
+        return [] if self.hierarchical is None else self.hierarchical.communicators()
 
     def free(self) -> None:
         """Collective: release what the algorithms hold."""

@@ -56,6 +56,10 @@ class Hierarchical(Flat):
         # COMM_NULL on the other ranks
         self.leaders = cast(MPI.Intracomm, comm.Split(0 if self.is_leader else MPI.UNDEFINED, comm.rank))
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """Local: the communicators this algorithm runs on (the node's and the leaders'; COMM_NULL off a leader)."""
+        return [self.node, self.leaders]
+
     def free(self) -> None:
         """Collective: release the leaders' communicator (and the nodes', when split by ``node_size``)."""
         for c in (self.leaders, self.node) if self._own_node else (self.leaders,):
