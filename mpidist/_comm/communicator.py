@@ -41,7 +41,7 @@ from mpidist._comm.handle import Handle
 from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
-from mpidist._comm.survival import Progress, failed_ranks, progress, revoke, shrink
+from mpidist._comm.survival import Progress, failed_ranks, progress, release, revoke, shrink
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
@@ -194,7 +194,7 @@ class Communicator:
         failed = failed_ranks(before, shrunk)
         before.Free()
         for c in dropped:
-            _free(c)
+            release(c)
         if not failed:  # an MPI error of another kind: the communicator was rebuilt as it was
             return CommError(on_rank(old_rank, f"MPI error in {what}: {exc.Get_error_string()}"))
         self.last_failure = Failure(failed, found, time.perf_counter() - begun)
@@ -250,7 +250,7 @@ class Communicator:
             return
         t.broken = "ranks died"
         for c in self._drop():
-            _free(c)  # the transport's too: mpi4py's Free() leaves it COMM_NULL, and free() does nothing
+            release(c)  # the transport's too: mpi4py's Free() leaves it COMM_NULL, and free() does nothing
 
     @property
     def agreement(self) -> Agreement:
@@ -1146,14 +1146,6 @@ class _Again(CommError):
 
 def _again(what: str, exc: MPI.Exception) -> CommError:
     return _Again(f"ranks died during {what}: {exc.Get_error_string()}")
-
-
-def _free(comm: MPI.Intracomm) -> None:
-    """Local: free a communicator that ranks' deaths made useless (revoked; its frees may fail)."""
-    try:
-        comm.Free()
-    except MPI.Exception:
-        pass
 
 
 def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Exception]:

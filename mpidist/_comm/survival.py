@@ -29,7 +29,17 @@ from typing import Optional, cast
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Progress", "failed_ranks", "is_peer_failure", "known_failed", "progress", "revoke", "shrink", "supported"]
+__all__ = [
+    "Progress",
+    "failed_ranks",
+    "is_peer_failure",
+    "known_failed",
+    "progress",
+    "release",
+    "revoke",
+    "shrink",
+    "supported",
+]
 
 # The error classes of ULFM that mean "a process of this communicator failed" (or another survivor revoked it
 # because one did). MPI libraries without ULFM (MPICH's mpi4py) spell them as MPI_ERR_UNKNOWN: not counted.
@@ -61,6 +71,14 @@ def revoke(comm: MPI.Comm) -> None:
     try:
         comm.Revoke()
     except (MPI.Exception, NotImplementedError):
+        pass
+
+
+def release(comm: MPI.Comm) -> None:
+    """Local: free a communicator that ranks' deaths made useless (its free may fail: nothing to do then)."""
+    try:
+        comm.Free()
+    except MPI.Exception:
         pass
 
 

@@ -60,6 +60,7 @@ class StrategyExtended:
         self._flat = FlatStore(communicator.backend.xp) if options.flat_variables else None
         self._check_every = options.check_mirrored_every
         self._unnamed = 0
+        self._variables: list[weakref.ref[DistributedVariable]] = []  # in creation order (the same on every rank)
 
     @property
     def _strategy(self) -> MPIStrategy:
@@ -67,6 +68,16 @@ class StrategyExtended:
         if strategy is None:
             raise RuntimeError(on_rank(self._comm.rank, "strategy.extended outlived its strategy, which was deleted"))
         return strategy
+
+    def track(self, variable: DistributedVariable) -> None:
+        """Local: remember ``variable`` (weakly) among the strategy's variables (for :meth:`variables`)."""
+        if len(self._variables) % 64 == 63:
+            self._variables = [ref for ref in self._variables if ref() is not None]
+        self._variables.append(weakref.ref(variable))
+
+    def variables(self) -> list[DistributedVariable]:
+        """Local: the strategy's variables still alive, in creation order (the same on every rank)."""
+        return [v for v in (ref() for ref in self._variables) if v is not None]
 
     def default_name(self) -> str:
         """Local: the next default variable name of this strategy: ``"Variable"``, ``"Variable_1"``, ..."""

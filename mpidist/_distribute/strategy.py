@@ -19,11 +19,13 @@ from mpidist._comm.abort import install_abort_on_error
 from mpidist._comm.backend import Backend
 from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
+from mpidist._comm.survival import release
 from mpidist._comm.transport import duplicate
 from mpidist._distribute.context import checked_collective_context, checked_replica_context, enter_context
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
 from mpidist._distribute.mirrors import describe, diverged, fingerprint
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
+from mpidist._distribute.recovery import Snapshot, recover
 from mpidist._distribute.variables import UPDATES, DistributedVariable, MirroredVariable, require_aggregation
 from mpidist._errors import MirrorDivergenceError, on_rank
 from mpidist._input.factories import distribute_dataset, distribute_datasets_from_function
@@ -83,6 +85,7 @@ class MPIStrategy:
         self.comm = comm
         self._extended = StrategyExtended(self, communicator, self.options)
         self._stopper = Stopper(communicator)
+        self._snapshot = Snapshot()
         self._number = next(MPIStrategy._created)
         # the strategies whose scope (or run) this one's scope may be entered in: those it was split from
         self._outer: tuple[MPIStrategy, ...] = () if parent is None else (parent, *parent._outer)
@@ -126,6 +129,45 @@ class MPIStrategy:
         if self._own_comm:
             self._own_comm = False
             self.comm.Free()
+
+    # -- surviving dead ranks (fault_tolerance) --------------------------------------------------
+    def snapshot(self, **state: Any) -> None:
+        """Local: mark the start of a step, to return to should ranks die before the next snapshot.
+
+        Copies every mirrored variable of this strategy (one pass over their
+        memory, into buffers reused from the last snapshot) and keeps
+        ``state``, the program's position as keywords of JSON values (an
+        epoch, a step, an input iterator's ``get_state()``). Take it at the
+        same point on every rank, at the start of each step. When ranks die,
+        :meth:`recover` returns every survivor to the newest snapshot any of
+        them took and returns its ``state``. Only with ``fault_tolerance``
+        does a snapshot serve; it costs the copy either way.
+        """
+        self._snapshot.take(self._extended.variables(), state)
+
+    def recover(self) -> dict[str, Any]:
+        """Collective over the survivors, after :class:`~mpidist.RankFailedError`: carry on with them.
+
+        The strategy already runs over the survivors (renumbered in their old
+        order: :attr:`rank` and :attr:`num_replicas_in_sync` say where this
+        rank stands now). This makes what they hold alike again: with
+        :meth:`snapshot`, every survivor returns to the newest snapshot any of
+        them took (its mirrored variables, bit for bit) and gets its
+        ``state``; without, every mirrored variable takes the values of a
+        survivor on which the collective in flight completed. Returns the
+        ``state`` (``{}`` without a snapshot). Sync-on-read variables keep
+        each survivor's own part; the dead ranks' parts are lost. Distributed
+        datasets are bound to the old ranks: distribute them again and
+        continue from the position in ``state`` (``iterator_from_state``).
+        Should more ranks die meanwhile, it recovers from that too. Raises
+        ``RuntimeError`` when no rank died. See docs/fault-tolerance.md.
+        """
+        checked_collective_context(self, "strategy.recover")
+        state = recover(self._communicator, self._extended.variables(), self._snapshot)
+        if self._own_comm:  # the duplicate of MPI.COMM_WORLD made for the user: one of the survivors instead
+            dead, self.comm = self.comm, duplicate(self._communicator.mpi_comm, self.options.timeout)
+            release(dead)
+        return state
 
     def split(self, color: Optional[int], key: Optional[int] = None, **options: Any) -> Optional[MPIStrategy]:
         """Collective over this strategy's ranks: a strategy over the ranks that pass the same ``color``.

@@ -251,6 +251,7 @@ class DistributedVariable(DistributedValues):
         self._aggregation = aggregation
         self._updates = 0
         register_component(self, strategy.rank, component)
+        strategy.extended.track(self)
 
     # -- properties (local) -----------------------------------------------------------
     @property

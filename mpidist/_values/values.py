@@ -394,6 +394,23 @@ def register_component(container: DistributedValues, replica_id: int, component:
     fin.atexit = False
 
 
+def renumber_replica(container: DistributedValues, replica_id: int) -> None:
+    """Record that ``container``'s one local component is now replica ``replica_id``'s.
+
+    For the variables layer, after the replicas were renumbered (ranks died
+    and the survivors carry on in their old order): the container keeps its
+    component, under its new replica id. Local: no communication.
+
+    Raises:
+        ValueError: ``container`` holds more than one component.
+    """
+    if len(container._index) != 1:
+        raise ValueError(f"renumber_replica: {type(container).__name__} holds {len(container._index)} components")
+    component = next(iter(container._index.values()))
+    container._index = {_as_replica_id(replica_id): component}
+    register_component(container, replica_id, component)
+
+
 def _forget_component(key: int, ref: weakref.ref[DistributedValues]) -> None:
     entry = _registry.get(key)
     if entry is not None and entry[0] is ref:

@@ -1,0 +1,57 @@
+"""A test-only hook that kills this rank (SIGKILL, as a dead process or node) at a chosen moment.
+
+``MPIDIST_TEST_KILL="RANK:agreement:N"`` kills rank ``RANK`` of ``MPI.COMM_WORLD`` as it starts
+its ``N``-th agreement (counted from 1 over every mpidist communicator of the process);
+``"RANK:piece:N"`` as it starts the ``N``-th piece of a reduction (the pipelined pieces of large
+reductions, each one MPI call). :func:`install` wraps the methods in place: the library has no
+hook of its own, and a run without the variable is untouched. Timing alone would hit a
+different moment in every run; counting hits the same one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from mpidist._comm.agreement import Agreement
+from mpidist._comm.algorithms.base import Reduction
+
+__all__ = ["install"]
+
+
+def install() -> None:
+    """Wrap the counted methods when ``MPIDIST_TEST_KILL`` names this rank (nothing otherwise)."""
+    spec = os.environ.get("MPIDIST_TEST_KILL", "")
+    if not spec:
+        return
+    rank, what, n = spec.split(":")
+    if int(rank) != MPI.COMM_WORLD.rank:
+        return
+    counter = _counter(int(n))
+    if what == "agreement":
+        for name in ("agree", "agree_planned", "start", "leave"):
+            setattr(Agreement, name, counter(getattr(Agreement, name)))
+    elif what == "piece":
+        Reduction.reduce = counter(Reduction.reduce)  # type: ignore[method-assign]  # the test's own wrapper
+    else:
+        raise ValueError(f"MPIDIST_TEST_KILL: expected RANK:agreement:N or RANK:piece:N, got {spec!r}")
+
+
+def _counter(limit: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    calls = [0]
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == limit:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return method(*args, **kwargs)
+
+        return counted
+
+    return wrap
