@@ -352,6 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         return 2
     xp = strategy.backend.xp
+    fault_tolerant = strategy.options.fault_tolerance  # MPIDIST_FAULT_TOLERANCE=1: survive dead ranks
     strategy.stop_on_signals(signal.SIGUSR1, signal.SIGTERM)  # a stop at the same step on every rank
 
     images, labels, source = load_digits(args.data)
@@ -426,46 +427,78 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 100.0 * test_accuracy.result()
 
     accuracy = evaluate() if int(epochs_done) >= args.epochs else math.nan
-    for epoch in range(int(epochs_done), args.epochs):
-        epoch_started = time.perf_counter()
-        train_data.set_epoch(epoch)
-        lr = learning_rate(epoch)
-        first = position.step_in(epoch, args.global_batch_size)
-        if first:  # resuming mid-epoch: the metrics were restored too
-            position.iterator = train_data.iterator_from_state(position.restored)
-        else:
-            position.iterator = iter(train_data)
-            train_loss.reset_state()
+    survived = ""  # what the failures of ranks cost, for the final line
+    epoch = int(epochs_done)
+    while epoch < args.epochs:
+        try:
+            epoch_started = time.perf_counter()
+            train_data.set_epoch(epoch)
+            lr = learning_rate(epoch)
+            first = position.step_in(epoch, args.global_batch_size)
+            if first:  # resuming mid-epoch: the metrics were restored too (or reset by a recovery)
+                position.iterator = train_data.iterator_from_state(position.restored)
+            else:
+                position.iterator = iter(train_data)
+                train_loss.reset_state()
+                train_accuracy.reset_state()
+            position.restored = None
+            if fault_tolerant:  # where the survivors return to should ranks die: the start of each step
+                strategy.snapshot(epoch=epoch, position=position.get_state())
+            for step, batch in enumerate(position.iterator, first + 1):  # each rank: its share of the batches
+                strategy.run(train_step, args=(batch,))
+                if fault_tolerant:
+                    strategy.snapshot(epoch=epoch, position=position.get_state())
+                progress.step(epoch + 1, step, epoch_started)
+                if strategy.should_stop():  # the same step on every rank
+                    saved = (
+                        "not saved (--no-checkpoint)"
+                        if args.no_checkpoint
+                        else f"saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
+                    )
+                    progress.line(
+                        f"stop requested: every rank stopped in epoch {epoch + 1}/{args.epochs} after step "
+                        f"{step}/{steps}, {saved}; continue with --resume",
+                        force=True,
+                    )
+                    return 0
+            loss, train_acc = train_loss.result(), 100.0 * train_accuracy.result()
+            accuracy = evaluate()
+            epochs_done[...] = epoch + 1
+            saved = "" if args.no_checkpoint else f", saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
+            progress.line(
+                f"epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}, train accuracy {train_acc:.2f}%, "
+                f"held-out accuracy {accuracy:.2f}% ({time.perf_counter() - epoch_started:.2f} s{saved})"
+            )
+            epoch += 1
+        except md.RankFailedError as failure:  # only with fault tolerance: the survivors carry on
+            died = time.perf_counter()
+            state = strategy.recover()  # every survivor back at the newest step start any of them reached
+            n, rank = strategy.num_replicas_in_sync, strategy.rank
+            if args.global_batch_size % n:
+                raise SystemExit(
+                    f"error: rank {rank}: {n} ranks survived, which do not divide --global-batch-size "
+                    f"{args.global_batch_size}; pick a batch that every number of survivors divides"
+                ) from failure
+            train_data, test_data = strategy.distribute_dataset(train), strategy.distribute_dataset(test)
+            epoch = int(state["epoch"])
+            position.restored = state["position"] or None
+            train_loss.reset_state()  # the dead ranks' part is lost: count the survivors' steps from here on
             train_accuracy.reset_state()
-        position.restored = None
-        for step, batch in enumerate(position.iterator, first + 1):  # each rank: its share of the epoch's batches
-            strategy.run(train_step, args=(batch,))
-            progress.step(epoch + 1, step, epoch_started)
-            if strategy.should_stop():  # the same step on every rank
-                saved = (
-                    "not saved (--no-checkpoint)"
-                    if args.no_checkpoint
-                    else f"saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
-                )
-                progress.line(
-                    f"stop requested: every rank stopped in epoch {epoch + 1}/{args.epochs} after step {step}/{steps}, "
-                    f"{saved}; continue with --resume",
-                    force=True,
-                )
-                return 0
-        loss, train_acc = train_loss.result(), 100.0 * train_accuracy.result()
-        accuracy = evaluate()
-        epochs_done[...] = epoch + 1
-        saved = "" if args.no_checkpoint else f", saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
-        progress.line(
-            f"epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}, train accuracy {train_acc:.2f}%, "
-            f"held-out accuracy {accuracy:.2f}% ({time.perf_counter() - epoch_started:.2f} s{saved})"
-        )
+            progress = Progress(args.progress, rank == 0, steps, args.epochs)
+            dead = ", ".join(str(r) for r in failure.failed_ranks)
+            survived = f", after rank{'s' if len(failure.failed_ranks) > 1 else ''} {dead} died"
+            progress.line(
+                f"rank{'s' if len(failure.failed_ranks) > 1 else ''} {dead} died; {n} ranks carry on from epoch "
+                f"{epoch + 1} step {position.step_in(epoch, args.global_batch_size) + 1} with a global batch of "
+                f"{args.global_batch_size} = {n} x {args.global_batch_size // n} (recovered in "
+                f"{time.perf_counter() - died:.2f} s; this epoch's training metrics count from here on)",
+                force=True,
+            )
 
     elapsed = time.perf_counter() - started
     progress.line(
-        f"final held-out accuracy: {accuracy:.2f}% ({len(y_test)} images, {n} rank{'s' if n != 1 else ''}, "
-        f"{args.epochs} epochs, {elapsed:.1f} s)",
+        f"final held-out accuracy: {accuracy:.2f}% ({len(y_test)} images, {n} rank{'s' if n != 1 else ''}"
+        f"{survived}, {args.epochs} epochs, {elapsed:.1f} s)",
         force=True,
     )
     if args.min_accuracy is not None and not accuracy >= args.min_accuracy:
