@@ -42,20 +42,21 @@ load_mpi_env() {
   return 0
 }
 
-# With MPIDIST_FAULT_TOLERANCE on (1, true, yes, on), the launcher flags that let the survivors of a
-# dead rank carry on under MPI $1 (openmpi or mpich), one per line; nothing when it is off. Open MPI:
-# --with-ft ulfm, and no PMIx barrier at the start of MPI_Finalize (OMPI_MCA_async_mpi_finalize=1,
-# exported unless set: with a dead rank that barrier hung about one job in eight at exit). MPICH
-# cannot continue (its fault tolerance is unfinished): nothing, a dead rank costs the survivors a
-# clear error at their next collective or at the deadline (docs/fault-tolerance.md).
-fault_tolerance_flags() {
+# With MPIDIST_FAULT_TOLERANCE on (1, true, yes, on): set the array `ft_flags` to the launcher flags
+# that let the survivors of a dead rank carry on under MPI $1 (openmpi or mpich), and export what
+# the ranks need; `ft_flags` is empty when it is off. Open MPI: --with-ft ulfm, and no PMIx barrier
+# at the start of MPI_Finalize (OMPI_MCA_async_mpi_finalize=1 unless set: with a dead rank that
+# barrier hung about one job in eight at exit). MPICH cannot continue (its fault tolerance is
+# unfinished): no flags; its launcher ends the job when a rank dies (docs/fault-tolerance.md).
+fault_tolerance_setup() {
+  ft_flags=()
   case "$(printf '%s' "${MPIDIST_FAULT_TOLERANCE:-0}" | tr '[:upper:]' '[:lower:]')" in
     1 | true | yes | on) ;;
     *) return 0 ;;
   esac
   if [ "${1:-}" = openmpi ]; then
     export OMPI_MCA_async_mpi_finalize="${OMPI_MCA_async_mpi_finalize:-1}"
-    printf '%s\n' --with-ft ulfm
+    ft_flags=(--with-ft ulfm)
   fi
 }
 

@@ -36,6 +36,6 @@ if [ "${#mpiexec[@]}" -eq 0 ]; then
 fi
 flavour="$(mpi_flavour "${mpiexec[0]}")"
 load_mpi_env "$flavour"
-mapfile -t ft < <(fault_tolerance_flags "$flavour")
+fault_tolerance_setup "$flavour"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "${mpiexec[@]}" "${ft[@]}" "$@"
+exec "${mpiexec[@]}" "${ft_flags[@]}" "$@"

@@ -5,7 +5,9 @@ its ``N``-th agreement (counted from 1 over every mpidist communicator of the pr
 ``"RANK:piece:N"`` as it starts the ``N``-th piece of a reduction (the pipelined pieces of large
 reductions, each one MPI call). :func:`install` wraps the methods in place: the library has no
 hook of its own, and a run without the variable is untouched. Timing alone would hit a
-different moment in every run; counting hits the same one.
+different moment in every run; counting hits the same one. With ``MPIDIST_TEST_KILL_STAMP`` set,
+the rank writes the time of its death (``time.time()``) to that file first, for the survivors to
+measure how long they took to notice and to carry on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import time
 from typing import Any, Callable
 
 from mpi4py import MPI
@@ -49,6 +52,10 @@ def _counter(limit: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def counted(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
             if calls[0] == limit:
+                stamp = os.environ.get("MPIDIST_TEST_KILL_STAMP")
+                if stamp:
+                    with open(stamp, "w") as f:
+                        f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             return method(*args, **kwargs)
 

@@ -1,0 +1,79 @@
+"""Surviving dead ranks (api-contract C9), checked on whole jobs: a rank is killed (SIGKILL) at a counted moment.
+
+Each test starts ``tests/helpers/samples/ft_job.py`` with ``MPIDIST_FAULT_TOLERANCE=1`` through
+``jobs/mpirun.sh`` (which adds ``--with-ft ulfm`` for Open MPI) at 3 and 4 ranks, the last rank
+or rank 1 killed by ``kill_at`` before an agreement, inside a pipelined reduction or inside a
+step of mirrored updates. Under Open MPI every survivor raises ``RankFailedError`` naming the
+dead rank, recovers and finishes with the same values; MPICH cannot continue, and its launcher
+ends the job.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpirun import find_mpiexec, mpi_flavour, run_command
+from paths import HELPERS, JOBS, REPO, SAMPLES
+
+JOB = str(SAMPLES / "ft_job.py")
+OPEN_MPI = mpi_flavour(find_mpiexec()[0]) == "openmpi"
+
+
+def launch(n, scenario, kill, out):
+    """Run the job at ``n`` ranks with ``MPIDIST_TEST_KILL=kill``: (result, {first rank: outcome}, time of the kill)."""
+    stamp = out / "killed-at"
+    env = {
+        **os.environ,
+        "FT_OUT": str(out),
+        "MPIDIST_FAULT_TOLERANCE": "1",
+        "MPIDIST_TEST_KILL": kill,
+        "MPIDIST_TEST_KILL_STAMP": str(stamp),
+        "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", str(n), sys.executable, JOB, scenario], 120, env=env)
+    seen = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(out).glob("rank*.json")}
+    return result, seen, float(stamp.read_text()) if stamp.exists() else None
+
+
+CASES = [
+    # (scenario, the rank killed, what is counted, at which count, steps the survivors' sums must show)
+    ("allreduce", "last", "agreement", 9),  # before an agreement: in the fifth step's reduction
+    ("allreduce", "1", "agreement", 8),  # a middle rank: the survivors are renumbered
+    ("pipelined", "last", "piece", 100),  # inside the second 8 MiB reduction, 64 pieces of 128 KiB each
+    ("mirrored", "last", "agreement", 12),  # between the two updates of a step
+    ("mirrored", "1", "agreement", 13),  # inside the second update of a step
+]
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize(("scenario", "victim", "what", "count"), CASES)
+def test_survivors_carry_on(n, scenario, victim, what, count, tmp_path):
+    dead = n - 1 if victim == "last" else int(victim)
+    result, seen, killed_at = launch(n, scenario, f"{dead}:{what}:{count}", tmp_path)
+    assert killed_at is not None, result.describe()  # the hook fired
+    if not OPEN_MPI:  # MPICH: no survivors; the launcher ends the job, promptly
+        assert result.returncode not in (0, None), result.describe()
+        assert result.elapsed < 60, result.describe()
+        return
+    assert result.returncode == 0, result.describe()
+    survivors = [r for r in range(n) if r != dead]
+    assert sorted(seen) == survivors, result.describe()
+    for old, outcome in seen.items():
+        assert outcome["final_size"] == n - 1 and outcome["final_rank"] == survivors.index(old), outcome
+        [failure] = outcome["failures"]
+        assert failure["failed_ranks"] == [dead] and failure["size"] == n - 1, failure
+        assert f"rank {dead} died" in failure["message"] and failure["message"].startswith(f"rank {old}: "), failure
+        # noticed within moments of the death, not at the deadline (60 s), and carried on at once
+        assert failure["raised_at"] - killed_at < 5.0, failure
+        assert outcome["check"] == {}, outcome  # every mirrored variable the same on every survivor
+    if scenario == "mirrored":  # eight steps of a += s, b += 2 s, each exactly once
+        assert {(o["a"], o["b"]) for o in seen.values()} == {(36.0, 72.0)}, seen
+    else:  # every step's sum counts the ranks alive when it completed, and no step is lost or repeated
+        for outcome in seen.values():
+            steps = [s for s, *_ in outcome["sums"]]
+            assert steps == list(range(8)), outcome["sums"]
+            assert all(lo == hi == size for _, lo, hi, size in outcome["sums"]), outcome["sums"]
+            assert {size for *_, size in outcome["sums"]} == {n, n - 1}, outcome["sums"]
