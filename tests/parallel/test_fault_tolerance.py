@@ -77,3 +77,25 @@ def test_survivors_carry_on(n, scenario, victim, what, count, tmp_path):
             assert steps == list(range(8)), outcome["sums"]
             assert all(lo == hi == size for _, lo, hi, size in outcome["sums"]), outcome["sums"]
             assert {size for *_, size in outcome["sums"]} == {n, n - 1}, outcome["sums"]
+
+
+def test_main_job_finishes_on_the_survivors(tmp_path):
+    """The main job at 4 ranks, rank 3 killed in the second epoch: it trains on to the usual accuracy on 3 ranks."""
+    env = {
+        **os.environ,
+        "MPIDIST_FAULT_TOLERANCE": "1",
+        "MPIDIST_TEST_KILL": "3:agreement:150",  # the first epoch takes about 130 agreements
+        "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    main = "runpy.run_module('mpidist.examples.train_digits', run_name='__main__')"
+    program = f"import kill_at, runpy; kill_at.install(); {main}"
+    argv = [sys.executable, "-c", program, "--progress", "lines", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", "4", *argv, "--min-accuracy", "95"], 300, env=env)
+    if not OPEN_MPI:  # MPICH: the launcher ends the job
+        assert result.returncode not in (0, None), result.describe()
+        return
+    assert result.returncode == 0, result.describe()
+    lines = result.stdout.strip().splitlines()
+    assert "epoch 1/20:" in result.stdout and "rank 3 died; 3 ranks carry on from epoch 2" in result.stdout
+    assert lines[-1].startswith("final held-out accuracy: "), result.describe()
+    assert "(359 images, 3 ranks, after rank 3 died, 20 epochs" in lines[-1], result.describe()
