@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
@@ -41,7 +42,7 @@ from mpidist._comm.handle import Handle
 from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
-from mpidist._comm.survival import Progress, failed_ranks, progress, release, revoke, shrink
+from mpidist._comm.survival import Progress, failed_ranks, progress, readiness, release, revoke, shrink
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
@@ -137,6 +138,11 @@ class Communicator:
         self.last_failure: Optional[Failure] = None
         if options.fault_tolerance:
             self._transport.on_peer_failure = self._survive
+            ready, why = readiness()
+            if not ready and self.rank == 0:
+                warnings.warn(
+                    on_rank(0, f"fault_tolerance is on, but dead ranks will {why}"), RuntimeWarning, stacklevel=2
+                )
 
     def _build(self) -> None:
         """Collective: the algorithms and the collectives' helpers over the private communicator (again after a

@@ -24,6 +24,8 @@ owner, the :class:`~mpidist.Communicator`.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Optional, cast
 
 import numpy as np
@@ -35,10 +37,10 @@ __all__ = [
     "is_peer_failure",
     "known_failed",
     "progress",
+    "readiness",
     "release",
     "revoke",
     "shrink",
-    "supported",
 ]
 
 # The error classes of ULFM that mean "a process of this communicator failed" (or another survivor revoked it
@@ -51,9 +53,21 @@ _PEER_FAILED = frozenset(
 _SHRINK_TRIES = 8  # further failures while the survivors shrink: each one starts the shrink again
 
 
-def supported() -> bool:
-    """Local: whether this MPI library has the failure error classes of ULFM (it may still be started without them)."""
-    return bool(_PEER_FAILED)
+def readiness(env: Optional[Mapping[str, str]] = None) -> tuple[bool, str]:
+    """Local: whether the survivors of a dead rank can carry on in this job, and in words why (or what to do).
+
+    Open MPI can when its launcher was started with ``--with-ft ulfm`` (which
+    sets ``OMPI_MCA_mpi_ft_enable`` in the ranks' environment); MPICH cannot.
+    """
+    env = os.environ if env is None else env
+    if not _PEER_FAILED or not hasattr(MPI.Comm, "Shrink"):
+        return False, "end the job: this MPI library has no ULFM, its launcher ends the job when a rank dies"
+    if env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True, "the survivors can carry on: Open MPI with ULFM, started with --with-ft ulfm"
+    return False, (
+        "end the job: start it with mpiexec --with-ft ulfm (MPIDIST_FAULT_TOLERANCE=1 bash jobs/mpirun.sh ...) "
+        "to let the survivors carry on"
+    )
 
 
 def is_peer_failure(exc: MPI.Exception) -> bool:

@@ -213,6 +213,7 @@ def collect(device: Optional[str] = None, timeout: float = 60.0) -> Optional[dic
     from mpi4py import MPI
 
     from mpidist._comm.communicator import Communicator
+    from mpidist._comm.survival import readiness
     from mpidist._options import Options
 
     overrides: dict[str, Any] = {"timeout": timeout}
@@ -240,6 +241,7 @@ def collect(device: Optional[str] = None, timeout: float = 60.0) -> Optional[dic
                 "cuda_aware_reason": comm.cuda_awareness.reason,
                 "nccl": nccl_status(),
                 "nonblocking_allreduce": _nonblocking_allreduce(),
+                "fault_tolerance": readiness()[1],
                 "library_warnings": [str(w.message) for w in caught],
                 "ranks": ranks,
             }
@@ -422,6 +424,7 @@ def format_report(report: dict[str, Any], problems: list[tuple[str, str]]) -> st
         ("CUDA-aware MPI", _cuda_text(report)),
         ("NCCL", report["nccl"]),
         ("MPI_Iallreduce", report["nonblocking_allreduce"]["detail"]),
+        ("dead ranks", report.get("fault_tolerance", "?")),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"mpidist doctor: {size} rank{'s' if size != 1 else ''} on {nodes} node{'s' if nodes != 1 else ''}", ""]
