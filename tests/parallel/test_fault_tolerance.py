@@ -22,7 +22,7 @@ JOB = str(SAMPLES / "ft_job.py")
 OPEN_MPI = mpi_flavour(find_mpiexec()[0]) == "openmpi"
 
 
-def launch(n, scenario, kill, out):
+def launch(n, scenario, kill, out, node_size=0):
     """Run the job at ``n`` ranks with ``MPIDIST_TEST_KILL=kill``: (result, {first rank: outcome}, time of the kill)."""
     stamp = out / "killed-at"
     env = {
@@ -31,6 +31,7 @@ def launch(n, scenario, kill, out):
         "MPIDIST_FAULT_TOLERANCE": "1",
         "MPIDIST_TEST_KILL": kill,
         "MPIDIST_TEST_KILL_STAMP": str(stamp),
+        "FT_NODE_SIZE": str(node_size),
         "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", str(n), sys.executable, JOB, scenario], 120, env=env)
@@ -39,20 +40,22 @@ def launch(n, scenario, kill, out):
 
 
 CASES = [
-    # (scenario, the rank killed, what is counted, at which count, steps the survivors' sums must show)
-    ("allreduce", "last", "agreement", 9),  # before an agreement: in the fifth step's reduction
-    ("allreduce", "1", "agreement", 8),  # a middle rank: the survivors are renumbered
-    ("pipelined", "last", "piece", 100),  # inside the second 8 MiB reduction, 64 pieces of 128 KiB each
-    ("mirrored", "last", "agreement", 12),  # between the two updates of a step
-    ("mirrored", "1", "agreement", 13),  # inside the second update of a step
+    # (scenario, the rank killed, what is counted, at which count, ranks per "node" of a two-level reduction)
+    ("allreduce", "last", "agreement", 9, 0),  # before an agreement: in the fifth step's reduction
+    ("allreduce", "1", "agreement", 8, 0),  # a middle rank: the survivors are renumbered
+    ("pipelined", "last", "piece", 100, 0),  # inside the second 8 MiB reduction, 64 pieces of 128 KiB each
+    ("pipelined", "1", "piece", 100, 2),  # the same, two-level: the node and leader communicators are rebuilt
+    ("pipelined", "2", "agreement", 9, 2),  # a node's leader, before an agreement
+    ("mirrored", "last", "agreement", 12, 0),  # between the two updates of a step
+    ("mirrored", "1", "agreement", 13, 0),  # inside the second update of a step
 ]
 
 
 @pytest.mark.parametrize("n", [3, 4])
-@pytest.mark.parametrize(("scenario", "victim", "what", "count"), CASES)
-def test_survivors_carry_on(n, scenario, victim, what, count, tmp_path):
+@pytest.mark.parametrize(("scenario", "victim", "what", "count", "node_size"), CASES)
+def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_path):
     dead = n - 1 if victim == "last" else int(victim)
-    result, seen, killed_at = launch(n, scenario, f"{dead}:{what}:{count}", tmp_path)
+    result, seen, killed_at = launch(n, scenario, f"{dead}:{what}:{count}", tmp_path, node_size)
     assert killed_at is not None, result.describe()  # the hook fired
     if not OPEN_MPI:  # MPICH: no survivors; the launcher ends the job, promptly
         assert result.returncode not in (0, None), result.describe()

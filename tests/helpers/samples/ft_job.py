@@ -4,7 +4,7 @@
 
 tests/parallel/test_fault_tolerance.py launches it; ``kill_at`` (tests/helpers) kills the rank at
 the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pipelined`` (an
-8 MiB reduction in 64 pieces), ``mirrored`` (steps of two mirrored variables' updates, with a
+8 MiB reduction in 64 pieces; with ``FT_NODE_SIZE=k`` two-level, over "nodes" of ``k`` ranks), ``mirrored`` (steps of two mirrored variables' updates, with a
 snapshot at the start of each). Every survivor carries on after ``strategy.recover()`` and
 writes its outcome as JSON to ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
@@ -24,7 +24,10 @@ kill_at.install()
 import mpidist as md  # noqa: E402  (after the hook, which wraps mpidist's methods)
 
 scenario = sys.argv[1]
-strategy = md.MPIStrategy(device="cpu", timeout=60, piece_bytes=128 * 1024)
+# FT_NODE_SIZE=k: the two-level reduction over "nodes" of k ranks, whose communicators a failure rebuilds too
+node_size = int(os.environ.get("FT_NODE_SIZE", "0"))
+levels = {"hierarchical": True, "node_size": node_size} if node_size else {}
+strategy = md.MPIStrategy(device="cpu", timeout=60, piece_bytes=128 * 1024, **levels)
 first_rank, first_size = strategy.rank, strategy.num_replicas_in_sync
 outcome: dict = {"rank": first_rank, "failures": [], "sums": []}
 size = {"allreduce": 4, "pipelined": 1 << 20, "mirrored": 1000}[scenario]
