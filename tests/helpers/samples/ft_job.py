@@ -4,9 +4,10 @@
 
 tests/parallel/test_fault_tolerance.py launches it; ``kill_at`` (tests/helpers) kills the rank at
 the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pipelined`` (an
-8 MiB reduction in 64 pieces; with ``FT_NODE_SIZE=k`` two-level, over "nodes" of ``k`` ranks), ``mirrored`` (steps of two mirrored variables' updates, with a
-snapshot at the start of each). Every survivor carries on after ``strategy.recover()`` and
-writes its outcome as JSON to ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
+8 MiB reduction in 64 pieces; with ``FT_NODE_SIZE=k`` two-level, over "nodes" of ``k`` ranks),
+``mirrored`` (steps of two mirrored variables' updates, with a snapshot at the start of each).
+Every survivor carries on after ``strategy.recover()`` and writes its outcome as JSON to
+``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
 
 import json
