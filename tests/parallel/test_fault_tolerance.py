@@ -48,6 +48,9 @@ CASES = [
     ("pipelined", "2", "agreement", 9, 2),  # a node's leader, before an agreement
     ("mirrored", "last", "agreement", 12, 0),  # between the two updates of a step
     ("mirrored", "1", "agreement", 13, 0),  # inside the second update of a step
+    ("checkpoint", "last", "agreement", 28, 0),  # inside a checkpoint save, as the ranks write their parts
+    ("checkpoint", "2", "agreement", 30, 0),  # inside a save, as it commits
+    ("input", "1", "agreement", 17, 0),  # mid-epoch over a distributed dataset: the position is re-sharded
 ]
 
 
@@ -72,8 +75,13 @@ def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_pat
         # noticed within moments of the death, not at the deadline (60 s), and carried on at once
         assert failure["raised_at"] - killed_at < 5.0, failure
         assert outcome["check"] == {}, outcome  # every mirrored variable the same on every survivor
-    if scenario == "mirrored":  # eight steps of a += s, b += 2 s, each exactly once
+    if scenario in ("mirrored", "checkpoint"):  # eight steps of a += s, b += 2 s, each exactly once
         assert {(o["a"], o["b"]) for o in seen.values()} == {(36.0, 72.0)}, seen
+        if scenario == "checkpoint":  # and the newest save holds them
+            assert all(o["restored"] == [36.0, 72.0] for o in seen.values()), seen
+    elif scenario == "input":  # three epochs of ten steps, none lost or repeated; the same slope everywhere
+        assert {o["a"] for o in seen.values()} == {30.0}, seen
+        assert len({o["b"] for o in seen.values()}) == 1 and abs(next(iter(seen.values()))["b"] - 3.0) < 1e-3, seen
     else:  # every step's sum counts the ranks alive when it completed, and no step is lost or repeated
         for outcome in seen.values():
             steps = [s for s, *_ in outcome["sums"]]
@@ -102,3 +110,17 @@ def test_main_job_finishes_on_the_survivors(tmp_path):
     assert "epoch 1/20:" in result.stdout and "rank 3 died; 3 ranks carry on from epoch 2" in result.stdout
     assert lines[-1].startswith("final held-out accuracy: "), result.describe()
     assert "(359 images, 3 ranks, after rank 3 died, 20 epochs" in lines[-1], result.describe()
+
+
+def test_without_fault_tolerance_every_survivor_gets_a_clear_error(tmp_path):
+    """Launched to survive, but the strategy's fault tolerance off: a CommError naming the death, never MPI's own."""
+    result, seen, _ = launch(4, "off", "3:agreement:9", tmp_path)
+    if not OPEN_MPI:
+        assert result.returncode not in (0, None), result.describe()
+        return
+    assert sorted(seen) == [0, 1, 2], result.describe()
+    for old, outcome in seen.items():
+        error = outcome["error"]
+        assert error.startswith(f"CommError: rank {old}: "), error
+        assert "of this communicator died" in error and "fault tolerance is off" in error, error
+    assert any("rank 3 of this communicator died" in o["error"] for o in seen.values()), seen

@@ -28,10 +28,11 @@ scenario = sys.argv[1]
 # FT_NODE_SIZE=k: the two-level reduction over "nodes" of k ranks, whose communicators a failure rebuilds too
 node_size = int(os.environ.get("FT_NODE_SIZE", "0"))
 levels = {"hierarchical": True, "node_size": node_size} if node_size else {}
-strategy = md.MPIStrategy(device="cpu", timeout=60, piece_bytes=128 * 1024, **levels)
+tolerant = scenario != "off"  # off: launched to survive, but the strategy's fault tolerance is off
+strategy = md.MPIStrategy(device="cpu", timeout=60, piece_bytes=128 * 1024, fault_tolerance=tolerant, **levels)
 first_rank, first_size = strategy.rank, strategy.num_replicas_in_sync
 outcome: dict = {"rank": first_rank, "failures": [], "sums": []}
-size = {"allreduce": 4, "pipelined": 1 << 20, "mirrored": 1000}[scenario]
+size = {"allreduce": 4, "off": 4, "pipelined": 1 << 20, "mirrored": 1000, "checkpoint": 1000, "input": 1}[scenario]
 with strategy.scope():
     a = md.Variable(np.zeros(size), name="a", aggregation="mean")
     b = md.Variable(np.zeros(size), name="b", aggregation="mean")
@@ -42,20 +43,66 @@ def mirrored_step(x: float) -> None:
     b.assign_add(np.full(size, 2 * x))
 
 
-step, steps = 0, 8
+x = np.linspace(0.0, 1.0, 600)
+data = md.ArrayDataset((x, 3.0 * x), global_batch_size=60, shuffle=True, seed=0)
+
+
+def input_step(batch: tuple) -> None:  # a += 1 per step; b: the least-squares slope of y = 3 x, from 0
+    xs, ys = batch
+    a.assign_add(np.ones(1))
+    b.assign_sub(np.array([np.mean((b.read_value() * xs - ys) * xs)]))
+
+
+if scenario == "input":  # three epochs of ten steps over a distributed dataset, its position in the snapshot
+    dataset = strategy.distribute_dataset(data)
+    epoch, position = 0, None
+    while epoch < 3:
+        try:
+            started = time.time()
+            dataset.set_epoch(epoch)
+            iterator = dataset.iterator_from_state(position) if position else iter(dataset)
+            strategy.snapshot(epoch=epoch, position=iterator.get_state())
+            for batch in iterator:
+                strategy.run(input_step, args=(batch,))
+                strategy.snapshot(epoch=epoch, position=iterator.get_state())
+                if outcome["failures"] and "next_step_at" not in outcome:
+                    outcome["next_step_at"] = time.time()
+            epoch, position = epoch + 1, None
+        except md.RankFailedError as failure:
+            raised = time.time()
+            state = strategy.recover()
+            dataset = strategy.distribute_dataset(data)
+            epoch, position = state["epoch"], state["position"]
+            outcome["failures"].append(
+                {
+                    "failed_ranks": list(failure.failed_ranks),
+                    "size": failure.size,
+                    "raised_at": raised,
+                    "call_started_at": started,
+                    "recovered_in": time.time() - raised,
+                    "message": str(failure),
+                }
+            )
+checkpoint = md.Checkpoint(a=a, b=b)
+step, steps = 0, 0 if scenario == "input" else 8
 while step < steps:
     try:
         started = time.time()
-        if scenario == "mirrored":
+        if scenario in ("mirrored", "checkpoint"):
             strategy.snapshot(step=step)
             strategy.run(mirrored_step, args=(float(step + 1),))
+            if scenario == "checkpoint":
+                checkpoint.save(os.path.join(os.environ["FT_OUT"], "ckpt"), keep=2)
         else:
             total = strategy.reduce("sum", np.ones(size))
             outcome["sums"].append([step, float(total.min()), float(total.max()), strategy.num_replicas_in_sync])
         step += 1
         if outcome["failures"] and "next_step_at" not in outcome:
             outcome["next_step_at"] = time.time()
-    except md.RankFailedError as failure:
+    except md.CommError as failure:
+        if not tolerant:  # every survivor: a clear error, never a raw MPI exception; the communicator is done
+            outcome["error"] = f"{type(failure).__name__}: {failure}"
+            break
         raised = time.time()
         state = strategy.recover()
         step = state.get("step", step)
@@ -69,6 +116,15 @@ while step < steps:
                 "message": str(failure),
             }
         )
+if scenario == "off":
+    with open(os.path.join(os.environ["FT_OUT"], f"rank{first_rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)  # the communicator is unusable: no exit hook, no departure announced
+if scenario == "checkpoint":  # the newest save holds the last step's values, readable by the survivors
+    with strategy.scope():
+        fresh = [md.Variable(np.zeros(size), name=f"fresh_{n}", aggregation="mean") for n in "ab"]
+    md.Checkpoint(a=fresh[0], b=fresh[1]).restore(os.path.join(os.environ["FT_OUT"], "ckpt"))
+    outcome["restored"] = [float(v.component[0]) for v in fresh]
 outcome.update(
     final_rank=strategy.rank,
     final_size=strategy.num_replicas_in_sync,
