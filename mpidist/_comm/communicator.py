@@ -138,6 +138,7 @@ class Communicator:
         self.last_failure: Optional[Failure] = None
         if options.fault_tolerance:
             self._transport.on_peer_failure = self._survive
+            self._reduce_data = self._reduce_data_whole  # type: ignore[method-assign]  # nothing changes when off
             ready, why = readiness()
             if not ready and self.rank == 0:
                 warnings.warn(
@@ -826,6 +827,23 @@ class Communicator:
             if op is ReduceOp.MEAN and not staged:
                 divide_in_place(flat_target[lo:hi], self.size)  # while the piece is in cache
         return finish()
+
+    def _reduce_data_whole(
+        self, array: Array, target: Array, op: ReduceOp, name: str, blocking: bool, *, check: bool = True
+    ) -> Any:
+        """Collective, with fault tolerance: :meth:`_reduce_data`, blocking ones into a copy written to ``target``
+        once every piece arrived.
+
+        Ranks may die between two pieces (or inside one MPI call, which may
+        have written part of its buffer); ``target`` then keeps what it held.
+        One more pass over the data (two for an in-place reduction).
+        """
+        if not blocking:
+            return Communicator._reduce_data(self, array, target, op, name, blocking, check=check)
+        scratch = array_module(target).empty_like(target)
+        Communicator._reduce_data(self, array, scratch, op, name, blocking, check=check)
+        target[...] = scratch
+        return target
 
     def _checked(self, op: Optional[ReduceOp], array: Array) -> bool:
         return self.options.check_overflow and overflow.applies(op, array.dtype)

@@ -77,6 +77,8 @@ class Fusion:
         self._cuda_aware = cuda_aware
         self._options = transport.options
         self._buckets: dict[tuple[type, np.dtype], Array] = {}
+        if self._options.fault_tolerance:  # an update lands whole or not at all (nothing changes when off)
+            self.reduce_apply = self._reduce_apply_whole  # type: ignore[method-assign]
 
     # -- reduce and apply ------------------------------------------------------------
     def reduce_apply(
@@ -150,6 +152,28 @@ class Fusion:
                 self._reduce_apply(what, sends, targets, ops, fn, in_place)
 
         self._agree(sends, ops, names, fn, error, then)
+
+    def _reduce_apply_whole(
+        self,
+        sends: Sequence[Array],
+        targets: Sequence[Array],
+        ops: Sequence[Op],
+        fn: UpdateFn,
+        names: Sequence[str],
+        in_place: bool = False,
+        error: Optional[Exception] = None,
+    ) -> None:
+        """Collective, with fault tolerance: :meth:`reduce_apply`, whose ``fn`` runs only once every piece arrived.
+
+        Ranks may die between two pieces of a fused update; the survivors must
+        then hold each target either as it was or wholly updated, never
+        partly, so that :func:`~mpidist._comm.survival` recovery can tell the
+        two apart. The reduced values are kept (one copy of the update) and
+        applied after the last piece.
+        """
+        later = _Later(fn)
+        Fusion.reduce_apply(self, sends, targets, ops, later, names, in_place, error)
+        later.apply()
 
     def _reduce_apply(
         self,
@@ -477,6 +501,30 @@ def _into(target: Array, reduced: Array) -> None:
 
 # The updates that only store the reduced values (new arrays, out=): output forms, not part of a call.
 _OUTPUTS = (_assign, _into)
+
+
+class _Later:
+    """An update ``fn`` deferred: each call keeps a copy of the reduced values; :meth:`apply` runs them all.
+
+    It is identified as ``fn`` itself (its code and name), so ranks compare the same update
+    whether they defer it or not.
+    """
+
+    def __init__(self, fn: UpdateFn) -> None:
+        self.fn = fn
+        self.calls: list[tuple[Array, Array]] = []
+        if hasattr(fn, "__code__"):  # what update_identity and the agreement's plans read
+            self.__code__ = fn.__code__
+            self.__qualname__ = getattr(fn, "__qualname__", fn.__code__.co_name)
+
+    def __call__(self, target: Array, reduced: Array) -> None:
+        self.calls.append((target, reduced.copy()))
+
+    def apply(self) -> None:
+        """Local: every deferred update, in order."""
+        for target, reduced in self.calls:
+            self.fn(target, reduced)
+        self.calls = []
 
 
 def _spans(sends: Sequence[Array], targets: Sequence[Array]) -> list[tuple[Array, Array]]:

@@ -51,6 +51,10 @@ CASES = [
     ("checkpoint", "last", "agreement", 28, 0),  # inside a checkpoint save, as the ranks write their parts
     ("checkpoint", "2", "agreement", 30, 0),  # inside a save, as it commits
     ("input", "1", "agreement", 17, 0),  # mid-epoch over a distributed dataset: the position is re-sharded
+    ("inplace", "last", "piece", 100, 0),  # an in-place 8 MiB allreduce: its buffer as it was, on every survivor
+    ("inplace", "1", "piece", 20, 0),
+    ("update", "last", "piece", 100, 0),  # an 8 MiB mirrored update, no snapshot: whole or not at all
+    ("update", "1", "piece", 37, 0),
 ]
 
 
@@ -79,6 +83,10 @@ def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_pat
         assert {(o["a"], o["b"]) for o in seen.values()} == {(36.0, 72.0)}, seen
         if scenario == "checkpoint":  # and the newest save holds them
             assert all(o["restored"] == [36.0, 72.0] for o in seen.values()), seen
+    elif scenario in ("inplace", "update"):  # the call that raised wrote nothing; every variable whole and alike
+        assert all(o["buffer"] == [1.0, 1.0] for o in seen.values()), seen
+        assert len({tuple(o["whole"]) for o in seen.values()}) == 1, seen
+        assert all(lo == hi for lo, hi in (o["whole"] for o in seen.values())), seen
     elif scenario == "input":  # three epochs of ten steps, none lost or repeated; the same slope everywhere
         assert {o["a"] for o in seen.values()} == {30.0}, seen
         assert len({o["b"] for o in seen.values()}) == 1 and abs(next(iter(seen.values()))["b"] - 3.0) < 1e-3, seen

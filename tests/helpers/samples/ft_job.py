@@ -32,7 +32,8 @@ tolerant = scenario != "off"  # off: launched to survive, but the strategy's fau
 strategy = md.MPIStrategy(device="cpu", timeout=60, piece_bytes=128 * 1024, fault_tolerance=tolerant, **levels)
 first_rank, first_size = strategy.rank, strategy.num_replicas_in_sync
 outcome: dict = {"rank": first_rank, "failures": [], "sums": []}
-size = {"allreduce": 4, "off": 4, "pipelined": 1 << 20, "mirrored": 1000, "checkpoint": 1000, "input": 1}[scenario]
+size = {"allreduce": 4, "off": 4, "pipelined": 1 << 20, "inplace": 1 << 20, "update": 1 << 20}.get(scenario, 1000)
+size = 1 if scenario == "input" else size
 with strategy.scope():
     a = md.Variable(np.zeros(size), name="a", aggregation="mean")
     b = md.Variable(np.zeros(size), name="b", aggregation="mean")
@@ -83,8 +84,31 @@ if scenario == "input":  # three epochs of ten steps over a distributed dataset,
                     "message": str(failure),
                 }
             )
+if scenario in ("inplace", "update"):  # no snapshot: the call in flight lands whole or not at all, on every survivor
+    for _ in range(8):
+        buffer = np.ones(size)
+        try:
+            if scenario == "inplace":
+                strategy.communicator.allreduce(buffer, inplace=True, name="buffer")
+            else:
+                strategy.run(lambda: a.assign_add(np.ones(size)))
+        except md.RankFailedError as failure:
+            raised = time.time()
+            strategy.recover()
+            outcome["failures"].append(
+                {
+                    "failed_ranks": list(failure.failed_ranks),
+                    "size": failure.size,
+                    "raised_at": raised,
+                    "message": str(failure),
+                }
+            )
+            # the reduction that raised left its buffer as it was; every survivor's variable whole, before or after
+            outcome["buffer"] = [float(buffer.min()), float(buffer.max())]
+            outcome["whole"] = [float(a.component.min()), float(a.component.max())]
+            break
 checkpoint = md.Checkpoint(a=a, b=b)
-step, steps = 0, 0 if scenario == "input" else 8
+step, steps = 0, 0 if scenario in ("input", "inplace", "update") else 8
 while step < steps:
     try:
         started = time.time()
