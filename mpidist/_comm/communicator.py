@@ -840,7 +840,7 @@ class Communicator:
         """
         if not blocking:
             return Communicator._reduce_data(self, array, target, op, name, blocking, check=check)
-        scratch = array_module(target).empty_like(target)
+        scratch = self._fusion.scratch(target, target.size)[: target.size].reshape(target.shape)
         Communicator._reduce_data(self, array, scratch, op, name, blocking, check=check)
         target[...] = scratch
         return target

@@ -77,6 +77,7 @@ class Fusion:
         self._cuda_aware = cuda_aware
         self._options = transport.options
         self._buckets: dict[tuple[type, np.dtype], Array] = {}
+        self._scratch: dict[tuple[type, np.dtype], Array] = {}  # with fault tolerance: the whole-call buffers
         if self._options.fault_tolerance:  # an update lands whole or not at all (nothing changes when off)
             self.reduce_apply = self._reduce_apply_whole  # type: ignore[method-assign]
 
@@ -169,9 +170,13 @@ class Fusion:
         then hold each target either as it was or wholly updated, never
         partly, so that :func:`~mpidist._comm.survival` recovery can tell the
         two apart. The reduced values are kept (one copy of the update) and
-        applied after the last piece.
+        applied after the last piece. An update of one array that fits one
+        piece is one MPI call before ``fn``: it needs no copy.
         """
-        later = _Later(fn)
+        if len(sends) == 1 and sends[0].nbytes <= self._options.piece_bytes:
+            Fusion.reduce_apply(self, sends, targets, ops, fn, names, in_place, error)
+            return
+        later = _Later(fn, self.scratch(sends[0], sum(a.size for a in sends)) if sends else None)
         Fusion.reduce_apply(self, sends, targets, ops, later, names, in_place, error)
         later.apply()
 
@@ -437,6 +442,20 @@ class Fusion:
             offset += arrays[i].size
         return out
 
+    def scratch(self, like: Array, size: int) -> Array:
+        """Local: a reusable flat buffer of ``like``'s module and dtype, of at least ``size`` elements.
+
+        Kept from call to call (grown when too small), so that a call that
+        must hold its whole result before it writes it (fault tolerance)
+        touches memory already mapped; its contents last until the next
+        ``scratch`` call of the same module and dtype.
+        """
+        key = (type(like), like.dtype)
+        buffer = self._scratch.get(key)
+        if buffer is None or buffer.size < size:
+            buffer = self._scratch[key] = array_module(like).empty(max(1, size), dtype=like.dtype)
+        return buffer
+
     def _bucket(self, like: Array) -> Array:
         """The reusable bucket for ``like``'s module and dtype: ``options.piece_bytes`` (at least one element)."""
         key = (type(like), like.dtype)
@@ -506,19 +525,28 @@ _OUTPUTS = (_assign, _into)
 class _Later:
     """An update ``fn`` deferred: each call keeps a copy of the reduced values; :meth:`apply` runs them all.
 
-    It is identified as ``fn`` itself (its code and name), so ranks compare the same update
-    whether they defer it or not.
+    The copies go into ``store`` (a flat buffer, reused from call to call) while it has room, then
+    into new arrays (sends of several dtypes). It is identified as ``fn`` itself (its code and name),
+    so ranks compare the same update whether they defer it or not.
     """
 
-    def __init__(self, fn: UpdateFn) -> None:
+    def __init__(self, fn: UpdateFn, store: Optional[Array]) -> None:
         self.fn = fn
+        self.store, self.used = store, 0
         self.calls: list[tuple[Array, Array]] = []
         if hasattr(fn, "__code__"):  # what update_identity and the agreement's plans read
             self.__code__ = fn.__code__
             self.__qualname__ = getattr(fn, "__qualname__", fn.__code__.co_name)
 
     def __call__(self, target: Array, reduced: Array) -> None:
-        self.calls.append((target, reduced.copy()))
+        store, used, n = self.store, self.used, reduced.size
+        if store is not None and store.dtype == reduced.dtype and used + n <= store.size and reduced.ndim <= 1:
+            kept = store[used : used + n]
+            kept[...] = reduced
+            self.used = used + n
+        else:
+            kept = reduced.copy()
+        self.calls.append((target, kept))
 
     def apply(self) -> None:
         """Local: every deferred update, in order."""
