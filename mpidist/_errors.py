@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "ChecksumError",
     "CommError",
+    "CutOffError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "IntegerOverflowError",
@@ -88,6 +89,18 @@ class RankFailedError(CommError):
         super().__init__(message)
         self.failed_ranks = tuple(failed_ranks)
         self.size = size
+
+
+class CutOffError(CommError):
+    """Ranks died, and this rank is on the side that may not carry on (with ``fault_tolerance``).
+
+    The survivors carry on only when they are more than half of the ranks
+    there were, or exactly half with rank 0 among them: a link cut in two
+    leaves both sides believing the other dead, and only one side may go on
+    training and writing checkpoints. On the other side every collective
+    raises this error; uncaught, the rank ends with exit status 1 without
+    aborting the job, so that the side that carries on is left alone.
+    """
 
 
 class NonFiniteError(MpidistError, FloatingPointError):

@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from mpidist._comm.agreement import leave_all
 from mpidist._comm.deadline import deadline_errors
-from mpidist._errors import on_rank
+from mpidist._errors import CutOffError, on_rank
 
 __all__ = ["install_abort_on_error", "install_exit_hook"]
 
@@ -84,6 +84,8 @@ def install_abort_on_error() -> None:
             previous_hook(exc_type, exc, tb)
             return
         lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
+        if issubclass(exc_type, CutOffError):  # the other side of the failure carries on: leave it alone
+            _leave_alone(lines)
         _abort(f"uncaught {exc_type.__name__}", lines, 1)
 
     sys.excepthook = hook
@@ -141,6 +143,15 @@ def _exit_failing(missed: list[str]) -> NoReturn:
     _flush_files()
     if not MPI.Is_finalized():
         MPI.Finalize()
+    os._exit(1)
+
+
+def _leave_alone(lines: list[str]) -> NoReturn:
+    """End this rank with status 1, without ``MPI_Abort`` (which would end the ranks that carry on too) and
+    without ``MPI_Finalize`` (whose barrier would wait for them)."""
+    rank = MPI.COMM_WORLD.rank
+    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+    _flush_files()
     os._exit(1)
 
 

@@ -46,7 +46,7 @@ from mpidist._comm.survival import Progress, failed_ranks, progress, readiness, 
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
-from mpidist._errors import CollectiveMismatchError, CommError, RankFailedError, format_ranks, on_rank
+from mpidist._errors import CollectiveMismatchError, CommError, CutOffError, RankFailedError, format_ranks, on_rank
 from mpidist._options import Options
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ class Communicator:
         self.cuda_aware = self.cuda_awareness.enabled
         self._build()
         self.last_failure: Optional[Failure] = None
+        self.cut_off: Optional[CommError] = None  # this rank's side of a failure stopped (CutOffError)
         if options.fault_tolerance:
             self._transport.on_peer_failure = self._survive
             self._reduce_data = self._reduce_data_whole  # type: ignore[method-assign]  # nothing changes when off
@@ -204,6 +205,9 @@ class Communicator:
             release(c)
         if not failed:  # an MPI error of another kind: the communicator was rebuilt as it was
             return CommError(on_rank(old_rank, f"MPI error in {what}: {exc.Get_error_string()}"))
+        alive = self.size
+        if 2 * alive < alive + len(failed) or (2 * alive == alive + len(failed) and 0 in failed):
+            return self._cut_off(old_rank, failed, what, seq, handles)
         self.last_failure = Failure(failed, found, time.perf_counter() - begun)
         many = len(failed) > 1
         error = RankFailedError(
@@ -218,6 +222,28 @@ class Communicator:
             self.size,
         )
         error.__cause__ = exc
+        for handle in handles:
+            handle.abandon(error)
+        return error
+
+    def _cut_off(self, old_rank: int, failed: list[int], what: str, seq: int, handles: list[Handle]) -> CommError:
+        """Local (error path): this rank's side of a failure may not carry on; every later collective raises."""
+        before = self.size + len(failed)
+        reason = "fewer than half" if 2 * self.size < before else "half, without rank 0"
+        error = CutOffError(
+            on_rank(
+                old_rank,
+                f"rank{'s' if len(failed) > 1 else ''} {format_ranks(failed)} of the {before} died during {what} "
+                f"(collective #{seq}), or this side was cut off from them: the {self.size} "
+                f"{'ranks left are' if self.size > 1 else 'rank left is'} {reason}, "
+                "so they stop and the other side may carry on. A job that must survive the loss of half of its "
+                "ranks keeps rank 0 on the side that lives.",
+            )
+        )
+        for c in self._drop():
+            release(c)
+        self._transport.broken = "this side of a failure stopped"
+        self.cut_off = error
         for handle in handles:
             handle.abandon(error)
         return error

@@ -92,6 +92,8 @@ def recover(communicator: Communicator, variables: list[DistributedVariable], sn
     Returns the state saved with the snapshot they returned to (``{}``
     without one). A further failure meanwhile is recovered from too.
     """
+    if communicator.cut_off is not None:  # this side stops: no recovery
+        raise communicator.cut_off
     failure = communicator.last_failure
     if failure is None:
         raise RuntimeError(

@@ -1,7 +1,8 @@
 """A test-only hook that kills this rank (SIGKILL, as a dead process or node) at a chosen moment.
 
-``MPIDIST_TEST_KILL="RANK:agreement:N"`` kills rank ``RANK`` of ``MPI.COMM_WORLD`` as it starts
-its ``N``-th agreement (counted from 1 over every mpidist communicator of the process);
+``MPIDIST_TEST_KILL="RANK:agreement:N"`` kills rank ``RANK`` of ``MPI.COMM_WORLD`` (``R1,R2``: each
+of them) as it starts its ``N``-th agreement (counted from 1 over every mpidist communicator of the
+process);
 ``"RANK:piece:N"`` as it starts the ``N``-th piece of a reduction (the pipelined pieces of large
 reductions, each one MPI call). :func:`install` wraps the methods in place: the library has no
 hook of its own, and a run without the variable is untouched. Timing alone would hit a
@@ -31,8 +32,8 @@ def install() -> None:
     spec = os.environ.get("MPIDIST_TEST_KILL", "")
     if not spec:
         return
-    rank, what, n = spec.split(":")
-    if int(rank) != MPI.COMM_WORLD.rank:
+    ranks, what, n = spec.split(":")
+    if MPI.COMM_WORLD.rank not in [int(r) for r in ranks.split(",")]:
         return
     counter = _counter(int(n))
     if what == "agreement":

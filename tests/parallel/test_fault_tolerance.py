@@ -132,3 +132,24 @@ def test_without_fault_tolerance_every_survivor_gets_a_clear_error(tmp_path):
         assert error.startswith(f"CommError: rank {old}: "), error
         assert "of this communicator died" in error and "fault tolerance is off" in error, error
     assert any("rank 3 of this communicator died" in o["error"] for o in seen.values()), seen
+
+
+@pytest.mark.parametrize(
+    ("dead", "named", "carry_on"), [("0,1", "0-1", False), ("2,3", "2-3", True), ("0,1,2", "0-2", False)]
+)
+def test_only_the_side_with_a_majority_or_half_with_rank_0_carries_on(dead, named, carry_on, tmp_path):
+    """Half of the ranks die (or are cut off): the half with rank 0 carries on, the other half stops quietly."""
+    result, seen, _ = launch(4, "allreduce", f"{dead}:agreement:9", tmp_path)
+    if not OPEN_MPI:
+        assert result.returncode not in (0, None), result.describe()
+        return
+    left = [r for r in range(4) if str(r) not in dead.split(",")]
+    assert result.returncode is not None, result.describe()  # no hang
+    if carry_on:
+        assert result.returncode == 0 and sorted(seen) == left, result.describe()
+        assert all(o["final_size"] == len(left) for o in seen.values()), seen
+        return
+    assert seen == {}, seen  # nobody went on
+    for rank in left:  # each stopped with the error saying why, without aborting the job
+        assert f"[rank {rank}] mpidist._errors.CutOffError: rank {rank}: ranks {named} of the 4 died" in result.stderr
+    assert "aborting the job so the other ranks do not hang" not in result.stderr, result.describe()

@@ -124,7 +124,10 @@ while step < steps:
         if outcome["failures"] and "next_step_at" not in outcome:
             outcome["next_step_at"] = time.time()
     except md.CommError as failure:
-        if not tolerant:  # every survivor: a clear error, never a raw MPI exception; the communicator is done
+        if not isinstance(failure, md.RankFailedError):  # this side stops (a CutOffError), or fault tolerance is off
+            if tolerant:
+                raise
+            # every survivor: a clear error, never a raw MPI exception; the communicator is done
             outcome["error"] = f"{type(failure).__name__}: {failure}"
             break
         raised = time.time()
