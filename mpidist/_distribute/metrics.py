@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import fractions
 import math
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import numpy as np
 
 from mpidist._comm.backend import to_host
 from mpidist._distribute.context import get_replica_context, require_strategy
-from mpidist._distribute.variables import Variable, VariableAggregation, VariableSynchronization
+from mpidist._distribute.variables import SyncOnReadVariable, Variable, VariableAggregation, VariableSynchronization
 from mpidist._errors import on_rank
 from mpidist._values.values import DistributedValues
 
@@ -156,6 +156,9 @@ class _ExactMetric:
 
     def reset_state(self) -> None:
         """Forget all samples. Local; call it on every rank."""
+        cast(
+            SyncOnReadVariable, self._state
+        ).lost_ranks = ()  # counted afresh: the parts of ranks that died no longer matter
         zeros = np.zeros((self._rows, WIDTH), dtype=np.int64)
         if get_replica_context() is not None:
             self._state.assign(zeros)

@@ -20,8 +20,9 @@ alike again, collectively:
   updated some and not others.
 
 Sync-on-read variables keep each survivor's own component; the dead ranks'
-parts are lost (see docs/fault-tolerance.md). The variables' components are
-renumbered to the survivors' new ranks.
+parts are lost, and their next reads warn so until they are assigned (a
+metric's ``reset_state()``). The variables' components are renumbered to the
+survivors' new ranks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mpidist._distribute.variables import DistributedVariable, MirroredVariable
+from mpidist._distribute.variables import DistributedVariable, MirroredVariable, SyncOnReadVariable
 from mpidist._errors import RankFailedError, on_rank
 from mpidist._values.values import renumber_replica
 
@@ -103,6 +104,9 @@ def recover(communicator: Communicator, variables: list[DistributedVariable], sn
                 "since it was created or last recovered",
             )
         )
+    for v in variables:  # the dead ranks' parts of sync-on-read values are lost: their reads will say so
+        if isinstance(v, SyncOnReadVariable):
+            v.lost_ranks = tuple(sorted({*v.lost_ranks, *failure.failed_ranks}))
     for _ in range(_TRIES):
         for v in variables:
             renumber_replica(v, communicator.rank)

@@ -199,17 +199,20 @@ class OnReadPolicy(Policy):
                     "(and outside any strategy scope) use assign(total), which splits the value over the replicas",
                 )
             )
+        cast("SyncOnReadVariable", var).lost_ranks = ()  # set afresh: what ranks that died held no longer counts
         self.restore(var, value)  # what a restore does: the total split over the replicas
 
     def read(self, var: DistributedVariable) -> Any:
         if checked_replica_context(var.strategy, "read_value()", var.name) is not None:
             return var.component
         # cross-replica context, or outside any scope: a collective, named for the deadline's messages
+        cast("SyncOnReadVariable", var).warn_if_lost()
         return self._aggregate(var, f"read_value() of SyncOnReadVariable {var.name!r}")
 
     def save_value(self, var: DistributedVariable, first_replica: bool) -> Array:
         """Collective: the components reduced by the aggregation (``NONE``: summed, with a warning)."""
         cast("SyncOnReadVariable", var).warn_if_not_restorable()  # the policy of SyncOnReadVariable only
+        cast("SyncOnReadVariable", var).warn_if_lost()
         return self._aggregate(var, var.name)
 
     def mirror_fingerprint(self, var: DistributedVariable, threads: int) -> Optional[int]:
@@ -436,6 +439,26 @@ class SyncOnReadVariable(DistributedVariable, PerReplica, ComponentOperators):
 
     policy = OnReadPolicy()
     _warned_not_restorable = False  # set on the variable by the first warning
+    # the ranks (numbered as before their death) whose components were lost since the value was last set whole
+    # (a cross-replica assign, a metric's reset_state): set by strategy.recover(); a read then warns, once
+    lost_ranks: tuple[int, ...] = ()
+    _warned_lost: tuple[int, ...] = ()
+
+    def warn_if_lost(self) -> None:
+        """Local: warn (once per loss) that ranks which died held part of this value since it was last set whole."""
+        if self.lost_ranks and self._warned_lost != self.lost_ranks:
+            self._warned_lost = self.lost_ranks
+            many = len(self.lost_ranks) > 1
+            warnings.warn(
+                on_rank(
+                    self.strategy.rank,
+                    f"SyncOnReadVariable {self.name!r} lacks the part{'s' if many else ''} of rank"
+                    f"{'s' if many else ''} {', '.join(map(str, self.lost_ranks))}, which died: its value counts "
+                    "only what the survivors held. Assign it (a metric: reset_state()) to count afresh.",
+                ),
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _convertible(self) -> Any:
         if in_cross_replica_context():

@@ -81,6 +81,10 @@ def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_pat
         assert outcome["check"] == {}, outcome  # every mirrored variable the same on every survivor
     if scenario in ("mirrored", "checkpoint"):  # eight steps of a += s, b += 2 s, each exactly once
         assert {(o["a"], o["b"]) for o in seen.values()} == {(36.0, 72.0)}, seen
+        if scenario == "mirrored":  # the metric the dead rank held part of says so when read, until reset
+            for o in seen.values():
+                assert len(o["lost"]) == 1 and f"lacks the part of rank {dead}, which died" in o["lost"][0], o
+                assert o["lost_after_reset"] == [], o
         if scenario == "checkpoint":  # and the newest save holds them
             assert all(o["restored"] == [36.0, 72.0] for o in seen.values()), seen
     elif scenario in ("inplace", "update"):  # the call that raised wrote nothing; every variable whole and alike

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -37,11 +38,21 @@ size = 1 if scenario == "input" else size
 with strategy.scope():
     a = md.Variable(np.zeros(size), name="a", aggregation="mean")
     b = md.Variable(np.zeros(size), name="b", aggregation="mean")
+    seen = md.Sum("seen")  # a sync-on-read metric: the dead rank's part of it is lost
 
 
 def mirrored_step(x: float) -> None:
     a.assign_add(np.full(size, x))
     b.assign_add(np.full(size, 2 * x))
+    seen.update_state(np.ones(1))
+
+
+def lost_warnings() -> list[str]:
+    """The warnings a read of the metric gives (collective)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen.result()
+    return [str(w.message) for w in caught]
 
 
 x = np.linspace(0.0, 1.0, 600)
@@ -143,6 +154,10 @@ while step < steps:
                 "message": str(failure),
             }
         )
+if scenario == "mirrored":  # the metric says it lost the dead rank's part, until it is reset
+    outcome["lost"] = lost_warnings()
+    seen.reset_state()
+    outcome["lost_after_reset"] = lost_warnings()
 if scenario == "off":
     with open(os.path.join(os.environ["FT_OUT"], f"rank{first_rank}.json"), "w") as f:
         json.dump(outcome, f)
