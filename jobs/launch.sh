@@ -50,14 +50,19 @@ load_mpi_env() {
 # unfinished): no flags; its launcher ends the job when a rank dies (docs/fault-tolerance.md).
 fault_tolerance_setup() {
   ft_flags=()
-  case "$(printf '%s' "${MPIDIST_FAULT_TOLERANCE:-0}" | tr '[:upper:]' '[:lower:]')" in
-    1 | true | yes | on) ;;
-    *) return 0 ;;
-  esac
+  fault_tolerance_on || return 0
   if [ "${1:-}" = openmpi ]; then
     export OMPI_MCA_async_mpi_finalize="${OMPI_MCA_async_mpi_finalize:-1}"
     ft_flags=(--with-ft ulfm)
   fi
+}
+
+# Whether MPIDIST_FAULT_TOLERANCE is on (1, true, yes, on), as mpidist reads it.
+fault_tolerance_on() {
+  case "$(printf '%s' "${MPIDIST_FAULT_TOLERANCE:-0}" | tr '[:upper:]' '[:lower:]')" in
+    1 | true | yes | on) return 0 ;;
+    *) return 1 ;;
+  esac
 }
 
 # MPICH names a step's shared memory (/dev/shm/mpich_shm_<hash>_<node>, mpich_vci_...) after its
@@ -122,13 +127,18 @@ slurm_launch() {
         esac
       fi
       [ "$flavour" = mpich ] && remove_stale_mpich_segments
+      if fault_tolerance_on; then
+        echo "note: MPIDIST_FAULT_TOLERANCE=1 under srun: Slurm ends the step when a task dies (not yet" \
+             "made to carry on); MPIDIST_LAUNCHER=mpiexec starts Open MPI with --with-ft ulfm instead" >&2
+      fi
       launch=(srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}" --kill-on-bad-exit=1) ;;
     mpiexec)
       load_mpi_env "$flavour"
       # Inside an allocation the slots are Slurm's tasks per node; env.openmpi's oversubscribe
       # mapping policy would place every rank on the first node of a multi-node job.
       [ "$flavour" = openmpi ] && unset PRTE_MCA_rmaps_default_mapping_policy
-      launch=("${mpiexec[@]:-mpiexec}" -n "$ntasks") ;;
+      fault_tolerance_setup "$flavour"  # MPIDIST_FAULT_TOLERANCE=1: --with-ft ulfm (Open MPI)
+      launch=("${mpiexec[@]:-mpiexec}" -n "$ntasks" "${ft_flags[@]}") ;;
     *) echo "error: MPIDIST_LAUNCHER=${MPIDIST_LAUNCHER}: expected srun or mpiexec" >&2; exit 2 ;;
   esac
   if ! "${launch[@]}" "$python" -m mpidist doctor --expect-ranks "$ntasks"; then

@@ -106,3 +106,26 @@ def test_mpirun_sh_finds_the_mpiexec_next_to_python():
     )
     assert result.returncode == 0, result.describe()
     assert "mpidist doctor: 2 ranks on 1 node" in result.stdout, result.describe()
+
+
+@pytest.mark.parametrize(
+    ("mpi", "setting", "flags", "finalize"),
+    [
+        ("openmpi", "1", "--with-ft ulfm", "1"),
+        ("openmpi", "on", "--with-ft ulfm", "1"),
+        ("openmpi", "0", "", ""),
+        ("openmpi", "", "", ""),
+        ("mpich", "1", "", ""),  # MPICH cannot carry on: no flags (its launcher ends the job)
+    ],
+)
+def test_fault_tolerance_launch_flags(mpi, setting, flags, finalize):
+    """MPIDIST_FAULT_TOLERANCE=1 adds --with-ft ulfm for Open MPI, and exports the ranks' finalize setting."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("MPIDIST_FAULT_TOLERANCE", "OMPI_MCA_async_mpi_finalize")}
+    script = (
+        f"source {JOBS / 'launch.sh'}; fault_tolerance_setup {mpi}; "
+        'echo "${ft_flags[*]}|${OMPI_MCA_async_mpi_finalize:-}"'
+    )
+    env = {**clean, "MPIDIST_FAULT_TOLERANCE": setting}
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{flags}|{finalize}"
