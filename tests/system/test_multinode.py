@@ -362,6 +362,65 @@ def test_killed_node_ends_the_job(cluster, out):
         assert rank // PER_NODE == 0 and set(report["missing"]) <= {2, 3}, (rank, report)
 
 
+def _start_tolerant(cluster, out) -> subprocess.Popen:
+    """``ft_node_job.py`` across the nodes with fault tolerance: ``--with-ft ulfm`` (Open MPI only)."""
+    launcher = cluster.launcher()
+    launcher[3:3] = ["--with-ft", "ulfm"]  # after on NODE mpiexec
+    env = cluster.environment(MPIDIST_FAULT_TOLERANCE="1", OMPI_MCA_async_mpi_finalize="1")
+    return subprocess.Popen(
+        [*launcher, sys.executable, str(SAMPLES / "ft_node_job.py"), str(out)],
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
+
+
+@pytest.mark.parametrize("daemon", [False, True], ids=["ranks", "ranks-and-daemon"])
+def test_killed_node_with_fault_tolerance(cluster, out, daemon):
+    """Fault tolerance across nodes: node 1's ranks killed, node 0's carry on and finish every step once;
+    with node 1's MPI daemon killed too, Open MPI 5.0's runtime ends the job (it cannot lose a daemon)."""
+    if cluster.flavour != "openmpi":
+        pytest.skip("only Open MPI (ULFM) lets survivors carry on")
+    proc = _start_tolerant(cluster, out)
+    try:
+        ready = _wait_for(out, "rank*.ready", SIZE, JOB_TIMEOUT, proc)
+        assert len(ready) == SIZE, f"the job did not start: {_finish(proc, 0)[1]}"
+        if daemon:  # every process of the node but the namespace's holder: the ranks and prted
+            holder = cluster.env["PIDS"].split()[1]
+            listed = subprocess.run(
+                ["ip", "netns", "pids", cluster.env["NAMESPACES"].split()[1]], capture_output=True, text=True
+            )
+            victims = [int(p) for p in listed.stdout.split() if p != holder]
+        else:
+            victims = [json.loads((out / f"rank{r}.ready").read_text())["pid"] for r in range(PER_NODE, SIZE)]
+        killed_at = time.time()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        ended, output = _finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            _kill_job(proc)
+    assert ended, output
+    found = reports(out)
+    if daemon:
+        # "PRTE has lost communication with a remote daemon", or "A daemon failed to report back"
+        assert "daemon" in output, output
+        assert found == {}, found
+        return
+    assert proc.returncode == 0 and sorted(found) == [0, 1], output
+    for rank, report in found.items():
+        assert report["final"] == [rank, 2] and report["w"] == 300.0, report
+        [failure] = report["failures"]
+        assert failure["failed_ranks"] == [2, 3] and failure["raised_at"] - killed_at < 5, failure
+    noticed = max(r["failures"][0]["raised_at"] for r in found.values()) - killed_at
+    print(f"node 1's ranks killed: node 0 noticed within {noticed * 1e3:.0f} ms and trained on")
+
+
 # -- Slurm across the nodes --------------------------------------------------------------------
 SLURM_JOBS_TIMEOUT = 300  # seconds, all jobs together
 SLURM_TASKS = [
