@@ -759,7 +759,10 @@ class Agreement:
                 _left_message(t.rank, int(leaving), left1, left2, call.describe(), t.seq),
                 named_ranks(int(leaving), left1, left2),
             )
-        if tail[6] != self._agreed_tail[6]:  # _FAULT: ranks with fault tolerance on, summed
+        if bad or not (tail[11:] == expected and tail[9] == n * s and tail[10] == n * s * s):
+            self._mismatch(call, error)
+        # _FAULT: how many ranks have fault tolerance on (a creation names the option itself, above)
+        if tail[6] != self._agreed_tail[6]:
             raise CollectiveMismatchError(
                 on_rank(
                     t.rank,
@@ -768,8 +771,6 @@ class Agreement:
                     "no array was modified.",
                 )
             )
-        if bad or not (tail[11:] == expected and tail[9] == n * s and tail[10] == n * s * s):
-            self._mismatch(call, error)
         if nonfinite:
             self._nonfinite(call)
         return self._recv[:carry] if carry else None

@@ -1,0 +1,47 @@
+"""Fault tolerance on, nothing failing (1, 2 and 3 ranks): the collectives work as without it, and the recovery
+calls refuse what is not theirs. Surviving dead ranks is checked on whole jobs in ``test_fault_tolerance.py``."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from mpidist import MPIStrategy, Variable
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def strategy():
+    with warnings.catch_warnings():  # rank 0 warns when the job was not started to survive (--with-ft ulfm)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        s = MPIStrategy(device="cpu", fault_tolerance=True, abort_on_error=False, timeout=30, piece_bytes=4096)
+    yield s
+    s.free()
+
+
+def test_collectives_and_updates_land_whole(strategy):
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        v = Variable(np.zeros(5000), name="v", aggregation="mean")  # 40 KB: pieces of 4 KiB, deferred
+    for _ in range(2):  # twice: the reused buffers
+        strategy.run(lambda: v.assign_add(np.full(5000, strategy.rank + 1.0)))
+    assert np.all(v.component == 2 * (n + 1) / 2)
+    buffer = np.full(3000, 1.0 + strategy.rank)
+    strategy.communicator.allreduce(buffer, inplace=True, name="buffer")  # through a copy, then written
+    assert np.all(buffer == n * (n + 1) / 2)
+    assert strategy.communicator.last_failure is None
+
+
+def test_recover_without_a_failure_is_refused_on_every_rank(strategy):
+    with pytest.raises(RuntimeError, match="no rank of this strategy died"):
+        strategy.recover()
+    strategy.barrier()  # still usable
+
+
+def test_a_snapshot_takes_only_json_state(strategy):
+    strategy.snapshot(epoch=1, position={"offset": 60})
+    with pytest.raises(TypeError):
+        strategy.snapshot(epoch=np.zeros(2))
