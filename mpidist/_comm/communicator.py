@@ -193,6 +193,8 @@ class Communicator:
                     self._rebuild(shrunk)
                     break
                 except (MPI.Exception, _Again):  # a further failure: shrink what is left
+                    if self._comm is shrunk:  # let go of what the rebuild made so far
+                        dropped += self._drop()[:-1]
                     dropped.append(shrunk)
                     comm = shrunk
             else:
