@@ -98,8 +98,9 @@ class CutOffError(CommError):
     there were, or exactly half with rank 0 among them: a link cut in two
     leaves both sides believing the other dead, and only one side may go on
     training and writing checkpoints. On the other side every collective
-    raises this error; uncaught, the rank ends with exit status 1 without
-    aborting the job, so that the side that carries on is left alone.
+    raises this error; uncaught, the rank ends as a dead one would (killed,
+    after writing its traceback) without aborting the job, so that the side
+    that carries on is left alone.
     """
 
 
