@@ -48,8 +48,10 @@ CASES = [
     ("pipelined", "2", "agreement", 9, 2),  # a node's leader, before an agreement
     ("mirrored", "last", "agreement", 12, 0),  # between the two updates of a step
     ("mirrored", "1", "agreement", 13, 0),  # inside the second update of a step
+    ("mirrored", "0", "agreement", 12, 0),  # rank 0: every survivor moves down one
     ("checkpoint", "last", "agreement", 28, 0),  # inside a checkpoint save, as the ranks write their parts
     ("checkpoint", "2", "agreement", 30, 0),  # inside a save, as it commits
+    ("checkpoint", "0", "agreement", 30, 0),  # rank 0, which commits the saves
     ("input", "1", "agreement", 17, 0),  # mid-epoch over a distributed dataset: the position is re-sharded
     ("inplace", "last", "piece", 100, 0),  # an in-place 8 MiB allreduce: its buffer as it was, on every survivor
     ("inplace", "1", "piece", 20, 0),
