@@ -97,8 +97,10 @@ class CutOffError(CommError):
     The survivors carry on only when they are more than half of the ranks
     there were, or exactly half with rank 0 among them: a link cut in two
     leaves both sides believing the other dead, and only one side may go on
-    training and writing checkpoints. On the other side every collective
-    raises this error; uncaught, the rank ends as a dead one would (killed,
+    training and writing checkpoints. On the other side the collective that
+    noticed raises this error (later ones a ``CommError`` saying that this
+    side stopped, and ``strategy.recover()`` this error again); uncaught, the
+    rank ends as a dead one would (killed,
     after writing its traceback) without aborting the job, so that the side
     that carries on is left alone.
     """
