@@ -159,3 +159,14 @@ def test_only_the_side_with_a_majority_or_half_with_rank_0_carries_on(dead, name
     for rank in left:  # each stopped with the error saying why, without aborting the job
         assert f"[rank {rank}] mpidist._errors.CutOffError: rank {rank}: ranks {named} of the 4 died" in result.stderr
     assert "aborting the job so the other ranks do not hang" not in result.stderr, result.describe()
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_an_uncaught_rank_failed_error_ends_the_job(n, tmp_path):
+    """A death while the variables are made (outside the program's try): every survivor's RankFailedError is
+    uncaught, and the job ends with a failing status instead of leaving the launcher behind."""
+    result, seen, _ = launch(n, "input", f"{n - 1}:agreement:3", tmp_path)
+    assert result.returncode not in (0, None), result.describe()
+    assert result.elapsed < 30 and seen == {}, result.describe()
+    if OPEN_MPI:
+        assert "uncaught RankFailedError on rank 0" in result.stderr, result.describe()
