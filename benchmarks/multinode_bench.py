@@ -356,7 +356,7 @@ def plot(runs: Sequence[dict[str, Any]], path: Path) -> bool:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
 

@@ -138,13 +138,13 @@ class Options:
             shared-memory communicator, then across nodes between node
             leaders, then a broadcast within the node. ``True`` always,
             ``False`` never (one flat allreduce), ``None`` (the default,
-            ``auto``): when the ranks span more than one node and some node
-            holds more than one of them, for reductions of at least 256 KiB
-            (a whole piece, should ``piece_bytes`` be smaller), where it
-            beat the flat allreduce across nodes (see
-            ``docs/benchmarks.md``); on one node never. Every input of
-            the choice is the same on every rank (``MPIDIST_HIERARCHICAL``:
-            ``auto``, or a boolean).
+            ``auto``): under Open MPI, when the ranks span more than one
+            node and some node holds more than one of them, for each call of
+            2 MiB or more (a whole piece, should ``piece_bytes`` be
+            smaller), where it beat Open MPI's flat allreduce over 1 Gbit/s
+            links (see ``docs/benchmarks.md``); otherwise never. Every input
+            of the choice is the same on every rank
+            (``MPIDIST_HIERARCHICAL``: ``auto``, or a boolean).
         node_size: ranks per node for ``hierarchical``: 0 finds the
             shared-memory nodes; ``k`` groups every ``k`` consecutive ranks,
             to try the algorithm on one machine (``MPIDIST_NODE_SIZE``).

@@ -24,12 +24,13 @@ from mpidist._comm.transport import Transport
 
 __all__ = ["TWO_LEVEL_FROM", "Algorithms", "Flat", "Hierarchical", "Reduction", "two_level_from"]
 
-# The smallest reduction (bytes reduced by one call) that takes the two-level algorithm by default across nodes,
-# under Open MPI. Measured with benchmarks/multinode.sh (docs/benchmarks.md, "Across nodes: shaped links"): over
-# links shaped to 1 Gbit/s, with 2 ranks on each of 2 nodes, Open MPI's flat allreduce took 1.1-1.35x the two-level
-# one from 1 MiB on; below, the two took the same time within the noise. Under MPICH the flat allreduce was the
-# faster at every size (its own algorithm already sent each byte once over each link).
-TWO_LEVEL_FROM = 1 << 20
+# The smallest reduction (bytes reduced by one call: a piece at most) that takes the two-level algorithm by default
+# across nodes, under Open MPI: a whole piece of the default size. Measured with benchmarks/multinode.sh
+# (docs/benchmarks.md, "Across nodes: shaped links"), links shaped to 1 Gbit/s: reductions of 16 MiB and more
+# (in 2 MiB pieces) took 0.67-0.93x of Open MPI's flat allreduce's time two-level on 4 nodes x 2 ranks, and
+# 0.79-0.95x in most runs on 2 x 2; single calls of 1-2 MiB were faster flat. Under MPICH the flat allreduce was
+# the faster at every size measured (its own algorithm already sent each byte about once over each link).
+TWO_LEVEL_FROM = 2 << 20
 
 
 def two_level_from(
