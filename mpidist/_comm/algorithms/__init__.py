@@ -27,9 +27,10 @@ __all__ = ["TWO_LEVEL_FROM", "Algorithms", "Flat", "Hierarchical", "Reduction", 
 # The smallest reduction (bytes reduced by one call: a piece at most) that takes the two-level algorithm by default
 # across nodes, under Open MPI: a whole piece of the default size. Measured with benchmarks/multinode.sh
 # (docs/benchmarks.md, "Across nodes: shaped links"), links shaped to 1 Gbit/s: reductions of 16 MiB and more
-# (in 2 MiB pieces) took 0.67-0.93x of Open MPI's flat allreduce's time two-level on 4 nodes x 2 ranks, and
-# 0.79-0.95x in most runs on 2 x 2; single calls of 1-2 MiB were faster flat. Under MPICH the flat allreduce was
-# the faster at every size measured (its own algorithm already sent each byte about once over each link).
+# (in 2 MiB pieces) took 0.67-0.79x of Open MPI's flat allreduce's time two-level on 4 nodes x 2 ranks, and
+# 0.80-0.95x at 9 of 10 sizes in two runs on 2 x 2; single calls of 1-2 MiB were faster flat in one of them. Under
+# MPICH the flat allreduce was the faster from 1 MiB (its own algorithm already sends each byte about once over
+# each link). Where the CPU rather than the link limits, the two-level one lost under both.
 TWO_LEVEL_FROM = 2 << 20
 
 
