@@ -21,12 +21,12 @@
 #   burst = RATE x BURST_MS   (1 ms: 125 KB at 1 Gbit/s, 1.25 MB at 10 Gbit/s)
 #   limit = RATE x QUEUE_MS   (8 ms of queue: 1 MB at 1 Gbit/s, 10 MB at 10 Gbit/s)
 # The burst is what the link may send above RATE after an idle moment: as small as lets one TCP
-# stream reach the rate here (64 KB, less than a full-size segment of the veth's segmentation
-# offload, held a 1 Gbit/s stream to 0.6-0.7 Gbit/s, and a 10 Gbit/s one to 1.2-1.4 Gbit/s).
-# The limit is the queue a switch port would hold: with 64-256 KB, TCP lost packets there and a
-# stream both ways reached half the rate (0.5 Gbit/s); with 1 MB, 0.9-0.95 Gbit/s. What a link
-# delivers still depends on the MPI's use of it and on the CPU: hence the bound measured in the
-# same run, never the nominal rate. The cluster goes down when the script ends, also on failure
+# stream both ways (a Python socket test) reach the rate here: with 64 KB, less than a full-size
+# segment of the veth's segmentation offload, a 1 Gbit/s link carried 0.6-0.75 Gbit/s each way
+# and a 10 Gbit/s one 1.2-1.4. The limit is the queue a switch port would hold: with 64-256 KB the
+# stream got half the rate (0.50-0.53 Gbit/s); with 1 MB (and the 1 ms burst) 0.88-0.95 Gbit/s;
+# at 10 Gbit/s about 7 (the CPU's limit). What a link delivers still depends on the MPI's use of
+# it and on the CPU: hence the bound measured in the same run, never the nominal rate. The cluster goes down when the script ends, also on failure
 # (and, through the cluster's watchdog, when the script is killed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +46,17 @@ else
 fi
 RAW_MAX_BYTES=${RAW_MAX_BYTES:-$MAX_BYTES}
 
+# bits per second of a tc rate (kbit, mbit, gbit)
+bits() {
+    local n=${1%%[a-z]*} unit=${1##*[0-9]}
+    [[ "$n" =~ ^[0-9]+$ ]] || unit=bad
+    case "$unit" in kbit) echo $((n * 1000)) ;; mbit) echo $((n * 1000000)) ;; gbit) echo $((n * 1000000000)) ;;
+        *) echo "multinode.sh: rate $1: expected none or a number followed by kbit, mbit or gbit" >&2; return 1 ;; esac
+}
+for rate in $RATES; do  # every rate checked before anything is set up
+    [ "$rate" = none ] || bits "$rate" >/dev/null || exit 1
+done
+
 state=$(mktemp -d /var/tmp/mpidist-multinode-bench.XXXXXX)
 chmod 755 "$state"
 down() {
@@ -62,14 +73,8 @@ NAMES="" SUBNET="" NAMESPACES=""
 source "$cluster/nodes.env"
 read -ra names <<<"$NAMES"
 
-# bits per second of a tc rate (kbit, mbit, gbit)
-bits() {
-    local n=${1%%[a-z]*} unit=${1##*[0-9]}
-    case "$unit" in kbit) echo $((n * 1000)) ;; mbit) echo $((n * 1000000)) ;; gbit) echo $((n * 1000000000)) ;;
-        *) echo "multinode.sh: rate $1: expected NUMBER followed by kbit, mbit or gbit" >&2; exit 1 ;; esac
-}
 shape() {  # RATE: tbf on both ends of every node's link ("none": remove them)
-    local rate=$1 k veth burst limit
+    local rate=$1 k veth burst limit per_second
     for ((k = 0; k < ${#names[@]}; k++)); do
         veth=VETH_$k
         if [ "$rate" = none ]; then
@@ -77,7 +82,8 @@ shape() {  # RATE: tbf on both ends of every node's link ("none": remove them)
             "$cluster/on" "${names[k]}" tc qdisc del dev eth0 root 2>/dev/null || true
             continue
         fi
-        burst=$(($(bits "$rate") / 8 * BURST_MS / 1000)) limit=$(($(bits "$rate") / 8 * QUEUE_MS / 1000))
+        per_second=$(($(bits "$rate") / 8))
+        burst=$((per_second * BURST_MS / 1000)) limit=$((per_second * QUEUE_MS / 1000))
         tc qdisc replace dev "${!veth}" root tbf rate "$rate" burst "$burst" limit "$limit"
         "$cluster/on" "${names[k]}" tc qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" limit "$limit"
     done
