@@ -2,7 +2,7 @@
 
     sudo benchmarks/multinode.sh [OUT]     # nodes up, links shaped, this job under each MPI, nodes down
     # by hand, across nodes (docs/multinode.md shows the launchers):
-    mpiexec ... python benchmarks/multinode_bench.py --out DIR --link "1gbit (tbf ...)"
+    mpiexec ... python benchmarks/multinode_bench.py --out DIR --rate 1gbit --link "1gbit tbf"
     python benchmarks/multinode_bench.py --report OUT      # one table and plot of every run under OUT
 
 For each size (float32 SUM, 64 KiB to 256 MiB, doubling), in rounds of one sample of each variant
