@@ -423,7 +423,7 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         (
             "resnet50",
             "ResNet-50 parameter shapes (161 float32 arrays, 97.5 MiB)",
-            ("hand_loop_per_array", "raw_per_array"),
+            ("hand_loop_per_array", "raw_per_array", "raw_per_array_out"),
         ),
         ("fusion", "fusion_bytes (ResNet-50 fused update of ordinary arrays)", ("0",)),
     ):
