@@ -14,10 +14,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
-__all__ = ["Options"]
+__all__ = ["COMPRESSIONS", "Options"]
 
 _MIB = 1 << 20
 _PIECE_BYTES = 2 * _MIB
+COMPRESSIONS = ("fp16", "bf16")  # the wire encodings of compressed float32 reductions
 # Options renamed since they were released: new name -> former name (which keeps working, and warns).
 _FORMER = {"piece_bytes": "pipeline_bytes"}
 
@@ -49,6 +50,16 @@ def _parse_seconds(text: str) -> Optional[float]:
     return None if value == 0 else value
 
 
+def _parse_compression(text: str) -> Optional[str]:
+    """``fp16`` or ``bf16``; ``None`` for ``none`` (or nothing): exact reductions."""
+    low = text.strip().lower()
+    if low in ("", "none"):
+        return None
+    if low not in COMPRESSIONS:
+        raise ValueError(f"expected none, fp16 or bf16, got {text!r}")
+    return low
+
+
 def _parse_choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         low = text.strip().lower()
@@ -76,6 +87,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "straggler_threshold": float,
     "straggler_window": int,
     "straggler_interval": _parse_seconds,
+    "compression": _parse_compression,
 }
 
 
@@ -164,6 +176,14 @@ class Options:
             (``MPIDIST_STRAGGLER_WINDOW``).
         straggler_interval: at most one straggler line per this many
             seconds; ``None`` (or 0) logs none (``MPIDIST_STRAGGLER_INTERVAL``).
+        compression: ``"fp16"`` or ``"bf16"``: blocking SUM and MEAN
+            reductions of float32 cross the wire in 16 bits (half the bytes),
+            summed in float32 and rounded once more (see
+            ``docs/compression.md`` for the error bound); other dtypes and
+            ops, nonblocking reductions and values carried inside the
+            agreement record stay exact. ``None`` (or ``"none"``, the
+            default): every reduction is exact (``MPIDIST_COMPRESSION``).
+            A per-call ``compression=`` overrides it.
     """
 
     timeout: Optional[float] = 600.0
@@ -182,6 +202,7 @@ class Options:
     straggler_threshold: float = 0.2
     straggler_window: int = 128
     straggler_interval: Optional[float] = 60.0
+    compression: Optional[str] = None
     pipeline_bytes: dataclasses.InitVar[Optional[int]] = None  # the former name of piece_bytes
 
     def __post_init__(self, pipeline_bytes: Optional[int]) -> None:
@@ -217,6 +238,11 @@ class Options:
             raise ValueError(f"option piece_bytes must be at least 1024, got {self.piece_bytes!r}")
         for name in ("device", "cuda_aware"):
             _PARSERS[name](str(getattr(self, name)))
+        if self.compression is not None:
+            try:
+                object.__setattr__(self, "compression", _parse_compression(self.compression))
+            except ValueError as exc:
+                raise ValueError(f"option compression: {exc}") from None
 
     @classmethod
     def resolve(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> Options:
@@ -265,6 +291,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "straggler_threshold": ((int, float), "a number (0.2 is 20%)"),
     "straggler_window": ((int,), "an integer number of collectives"),
     "straggler_interval": ((int, float, type(None)), "a number of seconds or None"),
+    "compression": ((str, type(None)), '"fp16", "bf16", "none" or None'),
 }
 
 # MPIDIST_* variables of the project's own scripts and tests, which are not options.

@@ -32,6 +32,7 @@ from mpidist._comm.abort import install_exit_hook
 from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, as_array, is_device_array
+from mpidist._comm.compression import Compression, applies as compressed, wire_error, wire_of
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.exchange import Exchange, mpi_datatype, offsets, send_counts
 from mpidist._comm.fusion import Fusion, UpdateFn
@@ -138,8 +139,15 @@ class Communicator:
         self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self.cuda_aware = self.cuda_awareness.enabled
         self._widening = Widening(self._transport, self._algorithms, self.backend, self.cuda_aware)
+        self._compression = Compression(self._transport, self._algorithms, self.backend, self.cuda_aware)
         self._fusion = Fusion(
-            self._transport, self._agreement, self._algorithms, self.backend, self.cuda_aware, self._widening
+            self._transport,
+            self._agreement,
+            self._algorithms,
+            self.backend,
+            self.cuda_aware,
+            self._widening,
+            self._compression,
         )
         self._exchange = Exchange(self._transport, self.backend, self.cuda_aware)
         self._choose = self._algorithms.choose
@@ -256,6 +264,7 @@ class Communicator:
         out: Optional[Array] = None,
         inplace: bool = False,
         name: str = "array",
+        compression: Optional[str] = None,
     ) -> Any:
         """Collective: reduce ``array`` elementwise across all ranks.
 
@@ -268,8 +277,13 @@ class Communicator:
         larger than ``options.piece_bytes`` are reduced in pieces of that
         size, in place, without a full-size temporary; with
         ``options.hierarchical``, each piece by the two-level algorithm.
+
+        ``compression`` (``"fp16"``, ``"bf16"``; ``"none"``: exact; ``None``:
+        ``options.compression``) sends a float32 ``SUM`` or ``MEAN`` over the
+        wire in 16 bits (:mod:`~mpidist._comm.compression`); asked for here, on
+        another dtype or op it raises ``ValueError``. Every rank passes the same.
         """
-        return self._allreduce(array, op, out, inplace, name, blocking=True)
+        return self._allreduce(array, op, out, inplace, name, blocking=True, compression=compression)
 
     def iallreduce(
         self,
@@ -479,6 +493,7 @@ class Communicator:
         names: Sequence[str],
         in_place: bool = False,
         error: Optional[Exception] = None,
+        compression: Optional[str] = None,
     ) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
@@ -492,9 +507,9 @@ class Communicator:
         the same order; the ranks agree on the whole list with one record.
         ``error`` is this rank's own problem with its arguments, found by the
         caller: raised here once every rank has seen it (the others raise a
-        mismatch naming this rank).
+        mismatch naming this rank). ``compression`` as in :meth:`allreduce`.
         """
-        self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error)
+        self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error, compression)
 
     def allreduce_many(
         self,
@@ -503,6 +518,7 @@ class Communicator:
         names: Optional[Sequence[str]] = None,
         *,
         out: Optional[Sequence[Array]] = None,
+        compression: Optional[str] = None,
     ) -> list[Any]:
         """Collective: every array reduced by ``op``, as new arrays (or into ``out``); the inputs are left as they are.
 
@@ -511,12 +527,13 @@ class Communicator:
         shape and dtype) is the form that allocates nothing in steady state:
         arrays larger than ``options.fusion_bytes`` are reduced straight into
         their ``out`` array; ``out=arrays`` reduces the inputs in place.
+        ``compression`` as in :meth:`allreduce`, for every array of the list.
         """
         names = _names(names, len(arrays))
         arrays = self._as_arrays(arrays, names, "allreduce_many")
         if out is not None:
             out = self._as_arrays(out, [f"out[{i}]" for i in range(len(out))], "allreduce_many")
-        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), names, out)
+        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), names, out, compression)
 
     def iallreduce_many(
         self,
@@ -595,7 +612,16 @@ class Communicator:
         except Exception as exc:  # whatever the other library raises: this rank's error, agreed
             self.fail(exc, what)
 
-    def _allreduce(self, array: Array, op: Any, out: Optional[Array], inplace: bool, name: str, blocking: bool) -> Any:
+    def _allreduce(
+        self,
+        array: Array,
+        op: Any,
+        out: Optional[Array],
+        inplace: bool,
+        name: str,
+        blocking: bool,
+        compression: Optional[str] = None,
+    ) -> Any:
         # op: a ReduceOp or its name (Any: the per-collective path converts it in place, telling the
         # two apart by op.__class__, which the type checker does not narrow on)
         error = None
@@ -610,6 +636,12 @@ class Communicator:
                 if inplace
                 else validate_out(array, out, f"allreduce of {name!r}: out=", "the input", self.rank)
             )
+        wire = self.options.compression
+        if compression is not None:  # asked for on this call: checked here, and agreed as part of the call
+            wire, wrong = wire_of(compression, wire, self.rank)
+            error = error or wrong or wire_error(wire, [array], [op], [name], self.rank, f"allreduce of {name!r}")
+        if wire is not None and (error is not None or not blocking or not compressed(wire, op, array.dtype)):
+            wire = None  # the option leaves other dtypes and ops, and nonblocking reductions, exact
         if error is None:
             target = array if inplace else out if out is not None else array_module(array).empty_like(array)
         agreement = self._agreement
@@ -617,7 +649,7 @@ class Communicator:
             self._transport.begin()
             if error is not None:
                 raise error
-            if blocking and self._one_call(target) and not self._checked(op, array):
+            if blocking and wire is None and self._one_call(target) and not self._checked(op, array):
                 # the common small host case: one piece, nothing to synchronise or stage (the per-update latency path)
                 if target is not array:
                     target[...] = array  # reduced in place: the output form never changes the MPI calls
@@ -625,15 +657,15 @@ class Communicator:
                 if op is ReduceOp.MEAN:
                     divide_in_place(target, self.size)
                 return target
-            result = self._reduce_data(array, target, op, name, blocking)
+            result = self._reduce_data(array, target, op, name, blocking, wire=wire)
             return result if blocking else Handle(self._transport, None, result, keep=(array, out))
         if blocking:
             if error is None:
-                carried = agreement.agree_array(Kind.ALLREDUCE, name, op, array, self.options.check_finite)
+                carried = agreement.agree_array(Kind.ALLREDUCE, name, op, array, self.options.check_finite, wire=wire)
             else:
                 carried = agreement.agree(Call(Kind.ALLREDUCE, name), error)
             if carried is None:
-                return self._reduce_data(array, target, op, name, blocking)
+                return self._reduce_data(array, target, op, name, blocking, wire=wire)
             if op is ReduceOp.SUM and target.dtype.char == "d":  # _store's common case, one call less
                 target[...] = carried
             else:
@@ -673,11 +705,20 @@ class Communicator:
             target[...] = carried
 
     def _reduce_data(
-        self, array: Array, target: Array, op: ReduceOp, name: str, blocking: bool, *, check: bool = True
+        self,
+        array: Array,
+        target: Array,
+        op: ReduceOp,
+        name: str,
+        blocking: bool,
+        *,
+        check: bool = True,
+        wire: Optional[str] = None,
     ) -> Any:
         """Collective, once agreed: ``target`` <- the reduction of every rank's ``array``, in pieces.
 
-        Integer sums are checked with ``options.check_overflow`` (unless ``check`` is false).
+        Integer sums are checked with ``options.check_overflow`` (unless ``check`` is false); ``wire``: a
+        blocking float32 SUM or MEAN compressed so (:mod:`~mpidist._comm.compression`).
         """
         if check and self._checked(op, array):  # reduce the 64-bit form, then write only sums that fit
             target[...] = self._checked_sum(array, name).reshape(target.shape)
@@ -685,6 +726,9 @@ class Communicator:
         if target is not array:  # reduced in place: the output form never changes the MPI calls
             target[...] = array  # before to_mpi, which synchronises a device array's stream
         what = f"allreduce of {name!r}"
+        if wire is not None:
+            self._compression.reduce(what, target.reshape(-1), op, wire)
+            return target
         if array.dtype.char in HALF_FLOATS:  # 16-bit floats: in float32 pieces, rounded once
             if blocking:
                 self._widening.reduce(what, target.reshape(-1), op)

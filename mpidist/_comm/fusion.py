@@ -37,6 +37,7 @@ from mpidist._comm import overflow
 from mpidist._comm.agreement import Agreement, Call, Kind, update_identity, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, data_pointer, is_device_array
+from mpidist._comm.compression import Compression, applies as compressed, wire_error, wire_of
 from mpidist._comm.flat_store import joinable, span
 from mpidist._comm.half import Widening
 from mpidist._comm.handle import Handle
@@ -57,7 +58,8 @@ class Fusion:
     """Fused reductions over ``transport``; holds the reusable buckets (one per array module and dtype).
 
     Local construction. Every method is collective over the transport's communicator. 16-bit floats
-    are reduced through float32 by ``widening`` (:mod:`~mpidist._comm.half`).
+    are reduced through float32 by ``widening`` (:mod:`~mpidist._comm.half`); compressed float32
+    reductions by ``compression`` (:mod:`~mpidist._comm.compression`).
     """
 
     def __init__(
@@ -68,9 +70,14 @@ class Fusion:
         backend: Backend,
         cuda_aware: bool,
         widening: Widening,
+        compression: Compression,
     ) -> None:
         self._transport = transport
         self._widening = widening
+        self._compression = compression
+        # the encoding of the blocking reduction in progress (set by reduce_apply; None: exact), which
+        # _transfer applies to each float32 SUM/MEAN buffer it reduces
+        self._wire: Optional[str] = None
         self._agreement = agreement
         self._choose = algorithms.choose
         self._backend = backend
@@ -88,6 +95,7 @@ class Fusion:
         names: Sequence[str],
         in_place: bool = False,
         error: Optional[Exception] = None,
+        compression: Optional[str] = None,
     ) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
@@ -101,7 +109,19 @@ class Fusion:
         for large buffers); without, they are left as they are. ``error`` is
         this rank's own problem with its arguments (raised here once every rank
         has seen it; the others raise a mismatch naming this rank).
+        ``compression``: see :meth:`~mpidist.Communicator.allreduce`; asked for
+        here, every array must be a float32 SUM or MEAN.
         """
+        wire = self._options.compression
+        if compression is not None:  # asked for on this call: checked here, and agreed as part of the call
+            wire, wrong = wire_of(compression, wire, self._transport.rank)
+            error = (
+                error
+                or wrong
+                or self._error(sends, ops, names)
+                or wire_error(wire, sends, ops, names, self._transport.rank, _what(sends, ops, names))
+            )
+        self._wire = wire
         if self._options.check_overflow and any(overflow.applies(op, a.dtype) for a, op in zip(sends, ops)):
             what = _what(sends, ops, names)
             self._agree(
@@ -124,6 +144,7 @@ class Fusion:
                         send,
                         self._options.check_finite and op is not None,
                         None if fn in _OUTPUTS else fn,
+                        wire if wire is not None and compressed(wire, op, send.dtype) else None,
                     )
                 else:  # every check off: straight to the data
                     self._transport.begin()
@@ -265,7 +286,12 @@ class Fusion:
 
     # -- reductions that return new arrays -------------------------------------------------
     def allreduce_many(
-        self, arrays: Sequence[Array], op: ReduceOp, names: Sequence[str], out: Optional[Sequence[Array]] = None
+        self,
+        arrays: Sequence[Array],
+        op: ReduceOp,
+        names: Sequence[str],
+        out: Optional[Sequence[Array]] = None,
+        compression: Optional[str] = None,
     ) -> list[Any]:
         """Collective: every array reduced by ``op``, into ``out`` or new arrays; the inputs are left as they are.
 
@@ -275,7 +301,7 @@ class Fusion:
         recycle arrays of ordinary sizes, while a fresh buffer of the whole
         size would be faulted in page by page on every call.) ``out``, one
         array per input of its shape and dtype (a device array for a device
-        input), allocates nothing.
+        input), allocates nothing. ``compression`` as in :meth:`reduce_apply`.
         """
         error = None
         if out is None:
@@ -283,7 +309,15 @@ class Fusion:
         else:
             results = list(out)
             error = _out_error(arrays, results, self._transport.rank)
-        self.reduce_apply(arrays, results, [op] * len(arrays), _assign if out is None else _into, names, error=error)
+        self.reduce_apply(
+            arrays,
+            results,
+            [op] * len(arrays),
+            _assign if out is None else _into,
+            names,
+            error=error,
+            compression=compression,
+        )
         return results
 
     def iallreduce_many(
@@ -362,21 +396,39 @@ class Fusion:
         return None
 
     @staticmethod
-    def _call(arrays: Sequence[Array], ops: Sequence[Op], names: Sequence[str], fn: Optional[UpdateFn]) -> Call:
-        """What the ranks agree on: one array's own call, or the whole list's layout and names; and the update.
+    def _call(
+        arrays: Sequence[Array],
+        ops: Sequence[Op],
+        names: Sequence[str],
+        fn: Optional[UpdateFn],
+        wire: Optional[str] = None,
+    ) -> Call:
+        """What the ranks agree on: one array's own call, or the whole list's layout and names; the update;
+        and the compression ``wire``, where it applies to some array of the list.
 
         The output form (new arrays, ``out=``: :data:`_OUTPUTS`) is not part of it.
         """
         update = None if fn in _OUTPUTS else update_identity(fn)
+        if wire is not None and not any(compressed(wire, op, a.dtype) for a, op in zip(arrays, ops)):
+            wire = None
         if len(arrays) == 1:
             a = arrays[0]
             kind = Kind.BROADCAST if ops[0] is None else Kind.ALLREDUCE
             return Call(
-                kind, names[0], ops[0], a.dtype.char, tuple(a.shape), extra=None if update is None else (update,)
+                kind,
+                names[0],
+                ops[0],
+                a.dtype.char,
+                tuple(a.shape),
+                extra=None if update is None else (update,),
+                wire=wire,
             )
         specs = tuple((None if op is None else op.value, a.dtype.str, tuple(a.shape)) for a, op in zip(arrays, ops))
         return Call(
-            Kind.FUSED, _what(arrays, ops, names)[len("fused reduction of ") :], extra=(specs, tuple(names), update)
+            Kind.FUSED,
+            _what(arrays, ops, names)[len("fused reduction of ") :],
+            extra=(specs, tuple(names), update),
+            wire=wire,
         )
 
     def _agree(
@@ -396,7 +448,11 @@ class Fusion:
                 raise error
             then(None)
             return
-        call = self._call(arrays, ops, names, fn) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
+        call = (
+            self._call(arrays, ops, names, fn, self._wire)
+            if error is None
+            else Call(Kind.FUSED, _what(arrays, ops, names))
+        )
         data = arrays[0] if len(arrays) == 1 else [a for a, op in zip(arrays, ops) if op is not None]
         self._agreement.start(
             call, error, data, self._options.check_finite and any(op is not None for op in ops), then
@@ -438,6 +494,10 @@ class Fusion:
             return source
         if send is not None:  # reduced in place: the output form never changes the MPI calls
             buf[...] = send  # before to_mpi, which synchronises a device array's stream
+        wire = self._wire
+        if wire is not None and compressed(wire, op, buf.dtype):  # 16 bits on the wire (MEAN included)
+            self._compression.reduce(what, buf, op, wire)
+            return buf
         if buf.dtype.char in HALF_FLOATS:  # through float32, rounded once (MEAN included)
             self._widening.reduce(what, buf, op)
             return buf
