@@ -137,6 +137,7 @@ class Compression:
 
                 def across(leaders: MPI.Intracomm, piece: Array = piece) -> None:
                     self._exchange(what, leaders, piece, op, wire)
+                    backend.to_mpi(piece, self._cuda_aware)  # written on its device: ready for the broadcast
 
                 two_level.stages(what, piece, MPI.SUM, across)
             if not bool(xp.isfinite(piece).all()):
