@@ -42,6 +42,11 @@ interleaved sample by sample so that they see the same machine load:
   beside float32 arrays of as many elements, 1 KiB to 64 MiB of float32, and
   the raw float32 ``Allreduce``; skipped, with a note in the results, where
   ``ml_dtypes`` is missing or the communicator refuses bfloat16.
+- ``compression``: a mirrored variable's replica-context MEAN update
+  (``assign_add``) of 1, 16 and 64 MiB of float32 by a strategy with
+  ``compression="fp16"`` and one with ``"bf16"``, against the same update
+  by the default (exact) strategy: what wire compression costs or saves on
+  this machine's links (on one node, memory).
 - ``scaling``: the agreement's cost against the number of ranks, counted: for
   an 8-byte mirrored MEAN update (the agreement carries the data), an in-place
   1 MiB float32 allreduce (the agreement, then the reduction) and a barrier,
@@ -124,6 +129,7 @@ __all__ = [
     "add_arguments",
     "alltoall_variants",
     "bfloat16_variants",
+    "compression_variants",
     "make_strategies",
     "mpi_settings",
     "resnet50_shapes",
@@ -697,6 +703,34 @@ def bench_bfloat16(bench: Bench, strategy: MPIStrategy, max_bytes: int) -> None:
         bench.compare("bfloat16", str(nbytes), bfloat16_variants(bench, strategy, nbytes, bfloat16))
 
 
+COMPRESSION_SIZES = (_MIB, 16 * _MIB, 64 * _MIB)  # the float32 gradients of the compression case
+
+
+def compression_variants(bench: Bench, strategies: dict[str, MPIStrategy], nbytes: int) -> dict[str, Variant]:
+    """Collective (it makes variables): the ``compression`` case's variants: the MEAN update of ``nbytes`` of
+    float32 by each strategy of ``strategies`` (``exact``, ``fp16``, ``bf16``), from one gradient array."""
+    grad = np.empty(nbytes // 4, np.float32)
+    write = bench.gradients.writer([grad])
+    variants = {}
+    for name, strategy in strategies.items():
+        with strategy.scope():
+            v = _mirrored(_weights(grad.shape), f"compression{nbytes}")
+        variants[name] = Variant(functools.partial(v.assign_add, grad), write, strategy)
+    return variants
+
+
+def bench_compression(bench: Bench, max_bytes: int) -> None:
+    strategies = {
+        "exact": MPIStrategy(device="cpu", abort_on_error=False),
+        "fp16": MPIStrategy(device="cpu", compression="fp16", abort_on_error=False),
+        "bf16": MPIStrategy(device="cpu", compression="bf16", abort_on_error=False),
+    }
+    for nbytes in [b for b in COMPRESSION_SIZES if b <= max_bytes]:
+        bench.compare("compression", str(nbytes), compression_variants(bench, strategies, nbytes))
+    for s in strategies.values():
+        s.free()
+
+
 def scaling_variants(bench: Bench, strategy: MPIStrategy, comm: MPI.Intracomm) -> dict[str, dict[str, Variant]]:
     """Collective (it makes a variable): the collectives of the ``scaling`` case, by raw mpi4py on ``comm`` and by
     mpidist's ``strategy``.
@@ -922,7 +956,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cases",
         default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile,alltoall,bfloat16",
-        help="comma-separated subset of the cases; also 'scaling' (not in the default list): the MPI calls of "
+        help="comma-separated subset of the cases; also 'compression' (not in the default list: it runs best "
+        "across nodes) and 'scaling' (not in the default list): the MPI calls of "
         "mpidist's agreement and, under Open MPI started with OMPI_MCA_pml_monitoring_enable=1, the messages and "
         "bytes each rank's MPI library sends for them, counted at any number of ranks, also more ranks than cores "
         "(OMPI_MCA_pml_monitoring_enable=1 mpiexec --oversubscribe -n 16 python -m mpidist bench --cases scaling); "
@@ -960,6 +995,8 @@ def run(args: argparse.Namespace) -> int:
         bench_alltoall(bench, strategies, args.max_bytes)
     if "bfloat16" in cases:
         bench_bfloat16(bench, strategies["check"], args.max_bytes)
+    if "compression" in cases:
+        bench_compression(bench, args.max_bytes)
     if "scaling" in cases:
         bench_scaling(bench, strategies["check"])
     meta = {
