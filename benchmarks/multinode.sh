@@ -8,11 +8,14 @@
 #   benchmarks/multinode.sh [OUT]                       # 2 nodes x 2 ranks, 1 and 10 Gbit/s, both MPIs
 #   NODES=4 PER_NODE=1 RATES=1gbit benchmarks/multinode.sh OUT-4x1
 #   SMOKE=1 benchmarks/multinode.sh [OUT]               # the smallest run: proves the script works
+#   COMPRESSION=1 RATES=1gbit MPIS=openmpi MIN_BYTES=16777216 MAX_BYTES=67108864 benchmarks/multinode.sh OUT
+#                                                        # wire compression: the MEAN update exact, fp16, bf16
 #
 # Settings (environment): RATES (default "1gbit 10gbit"; tc's units, "none" for the bare veth
 # links), NODES (2), PER_NODE (2: ranks per node), MPIS ("openmpi mpich": the virtual environments
 # .venv-openmpi and .venv-mpich in VENVS, default the checkout), REPEATS (5), MIN_BYTES (64 KiB),
-# MAX_BYTES (256 MiB), RAW_MAX_BYTES (MAX_BYTES), BURST_MS (1), QUEUE_MS (8). OUT (default
+# MAX_BYTES (256 MiB), RAW_MAX_BYTES (MAX_BYTES), BURST_MS (1), QUEUE_MS (8), COMPRESSION (set: time
+# the mirrored MEAN update exact and with fp16 and bf16 wire compression instead). OUT (default
 # multinode-DATE, outside /tmp: every node has its own /tmp) gets NODESxPER_NODE/RATE/MPI/ with
 # results.json and results.md, and multinode.md and multinode.png for all runs under OUT.
 #
@@ -100,7 +103,7 @@ launch() {  # MPI: the launcher's command line on the first node, every node wit
     fi
 }
 
-echo "multinode: $NODES nodes x $PER_NODE ranks; links $RATES; $MPIS; $REPEATS rounds, $MIN_BYTES to $MAX_BYTES bytes"
+echo "multinode: $NODES nodes x $PER_NODE ranks; links $RATES; $MPIS; $REPEATS rounds, $MIN_BYTES to $MAX_BYTES bytes${COMPRESSION:+; wire compression mode}"
 echo "multinode: load average now: $(cut -d' ' -f1-3 /proc/loadavg) (link-limited rows stand some load; latency rows do not)"
 started=$(date +%s)
 for rate in $RATES; do
@@ -128,7 +131,7 @@ for rate in $RATES; do
             # shellcheck disable=SC2046  # the launcher's words
             timeout 3600 $(launch "$mpi") benchmarks/multinode_bench.py --out "$dir" --rate "$rate" --link "$link" \
                 --repeats "$REPEATS" --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" \
-                --raw-max-bytes "$RAW_MAX_BYTES" 2>&1 | tee "$dir/bench.log"
+                --raw-max-bytes "$RAW_MAX_BYTES" ${COMPRESSION:+--compression} 2>&1 | tee "$dir/bench.log"
         )
     done
 done
