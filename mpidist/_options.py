@@ -183,7 +183,9 @@ class Options:
             ops, nonblocking reductions and values carried inside the
             agreement record stay exact. ``None`` (or ``"none"``, the
             default): every reduction is exact (``MPIDIST_COMPRESSION``).
-            A per-call ``compression=`` overrides it.
+            A per-call ``compression=`` overrides it. Across nodes (some
+            node holding more than one rank) compressed reductions take the
+            two-level algorithm under any MPI, unless ``hierarchical=False``.
     """
 
     timeout: Optional[float] = 600.0

@@ -16,11 +16,14 @@ pieces of ``options.piece_bytes``, each as follows over N ranks:
 
 Every value crosses each link once in 16 bits each way: half the bytes of
 an exact ring allreduce. With the two-level algorithm
-(:mod:`~mpidist._comm.algorithms.hierarchical`, chosen for the piece by
-:meth:`~mpidist._comm.algorithms.Algorithms.choose` as for an exact
-reduction) the ranks of a node first reduce onto their leader in float32,
-only the leaders exchange 16 bits as above, and the leader broadcasts the
-float32 result within its node: one rounding of each node's sum.
+(:mod:`~mpidist._comm.algorithms.hierarchical`, which
+:meth:`~mpidist._comm.algorithms.Algorithms.choose_compressed` picks for every
+compressed reduction wherever it was built: ``hierarchical=True``, or ranks
+across nodes with more than one on some node) the ranks of a node first
+reduce onto their leader in float32, only the leaders exchange 16 bits as
+above, and the leader broadcasts the float32 result within its node: one
+rounding of each node's sum, and each node's sum crosses its link once in
+16 bits each way.
 
 Every rank ends with the same values (they come from the same 16-bit
 slices), so every rank reaches the same verdict on them without another
@@ -109,7 +112,7 @@ class Compression:
 
     def __init__(self, transport: Transport, algorithms: Algorithms, backend: Backend, cuda_aware: bool) -> None:
         self._transport = transport
-        self._choose = algorithms.choose
+        self._choose = algorithms.choose_compressed
         self._backend = backend
         self._cuda_aware = cuda_aware
         self._step = max(1, transport.options.piece_bytes // _F32.itemsize)
@@ -126,7 +129,7 @@ class Compression:
             return
         backend = self._backend
         ready = backend.to_mpi(buffer, self._cuda_aware)
-        reduction = self._choose(buffer.nbytes)
+        reduction = self._choose()
         two_level = reduction if isinstance(reduction, Hierarchical) else None
         xp = array_module(ready)
         for lo in range(0, ready.size, self._step):

@@ -73,8 +73,18 @@ class Algorithms:
             options.piece_bytes,
             topology.num_nodes > 1 and library_version().startswith("Open MPI"),
         )
+        # Compressed reductions (mpidist._comm.compression) take it wherever the ranks span nodes and some node
+        # holds more than one (unless hierarchical=False): only its leaders' stage is compressed, so each node's sum
+        # crosses the node's link once in 16 bits, where a flat exchange of 16-bit slices would send every rank's.
+        compressed = (
+            options.compression is not None
+            and options.hierarchical is not False
+            and 1 < topology.num_nodes < transport.size
+        )
         # Built only where some reduction takes it: never on one node unless forced (hierarchical=True).
-        self.hierarchical: Optional[Hierarchical] = None if threshold is None else Hierarchical(transport, topology)
+        built = threshold is not None or compressed
+        self.hierarchical: Optional[Hierarchical] = Hierarchical(transport, topology) if built else None
+        self._exact: Optional[Hierarchical] = None if threshold is None else self.hierarchical  # choose()'s
         self.two_level_from: int = threshold or 0
 
     def choose(self, nbytes: int) -> Reduction:
@@ -86,10 +96,15 @@ class Algorithms:
         ranks), flat otherwise. Without the two-level algorithm (one node, or
         ``hierarchical=False``) it is one attribute test.
         """
-        hierarchical = self.hierarchical
+        hierarchical = self._exact
         if hierarchical is None or nbytes < self.two_level_from:
             return self.flat
         return hierarchical
+
+    def choose_compressed(self) -> Reduction:
+        """Local: the algorithm of a compressed reduction (any size): the two-level one where it was built
+        (``hierarchical=True``, or ranks across nodes: see ``__init__``), flat otherwise; every rank alike."""
+        return self.flat if self.hierarchical is None else self.hierarchical
 
     def free(self) -> None:
         """Collective: release what the algorithms hold."""
