@@ -180,8 +180,8 @@ class Options:
             reductions of float32 cross the wire in 16 bits (half the bytes),
             summed in float32 and rounded once more (see
             ``docs/compression.md`` for the error bound); other dtypes and
-            ops, nonblocking reductions and values carried inside the
-            agreement record stay exact. ``None`` (or ``"none"``, the
+            ops, nonblocking reductions, ``reduce_scatter`` and values
+            carried inside the agreement record stay exact. ``None`` (or ``"none"``, the
             default): every reduction is exact (``MPIDIST_COMPRESSION``).
             A per-call ``compression=`` overrides it. Across nodes (some
             node holding more than one rank) compressed reductions take the
