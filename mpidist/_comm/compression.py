@@ -42,6 +42,7 @@ in ``docs/compression.md``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -83,7 +84,14 @@ def wire_of(requested: Any, default: Optional[str], rank: int) -> tuple[Optional
     return None, ValueError(on_rank(rank, f"compression must be 'fp16', 'bf16', 'none' or None, got {requested!r}"))
 
 
-def wire_error(wire: Optional[str], arrays: Any, ops: Any, names: Any, rank: int, what: str) -> Optional[Exception]:
+def wire_error(
+    wire: Optional[str],
+    arrays: Sequence[Array],
+    ops: Sequence[Optional[ReduceOp]],
+    names: Sequence[str],
+    rank: int,
+    what: str,
+) -> Optional[Exception]:
     """Local: the error for a call that asked for ``wire`` explicitly where one of its arrays cannot be
     compressed (not float32, or an op other than SUM and MEAN); ``None`` when every array can."""
     if wire is None:
