@@ -60,6 +60,10 @@ def _parse_compression(text: str) -> Optional[str]:
     return low
 
 
+def _parse_directory(text: str) -> Optional[str]:
+    return text.strip() or None
+
+
 def _parse_choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         low = text.strip().lower()
@@ -88,6 +92,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "straggler_window": int,
     "straggler_interval": _parse_seconds,
     "compression": _parse_compression,
+    "timeline": _parse_directory,
 }
 
 
@@ -169,7 +174,7 @@ class Options:
             persistently at least this fraction above the mean of the other
             ranks': 0.2 is 20% (``MPIDIST_STRAGGLER_THRESHOLD``). Measured
             whenever the ranks agree on their collectives; see
-            ``docs/finding-slow-ranks-straggler.md``.
+            ``docs/finding-slow-ranks.md``.
         straggler_window: how many of the latest collectives the straggler
             report judges, in stretches of 16: a rank is named when it was that
             much slower in at least half the window's stretches
@@ -186,6 +191,15 @@ class Options:
             A per-call ``compression=`` overrides it. Across nodes (some
             node holding more than one rank) compressed reductions take the
             two-level algorithm under any MPI, unless ``hierarchical=False``.
+        timeline: a directory into which every rank streams a Chrome-trace
+            (Perfetto) file of its collectives, with each one's wait for
+            the other ranks apart from its transfer, its steps of
+            ``strategy.run`` and its input fetches (``timeline-rank<R>.json``);
+            ``python -m mpidist timeline DIR`` merges them, aligns the ranks'
+            clocks and names the rank the others waited for (see
+            ``docs/finding-slow-ranks.md``). ``None`` (the default) records
+            nothing and costs nothing. May differ between ranks
+            (``MPIDIST_TIMELINE``).
     """
 
     timeout: Optional[float] = 600.0
@@ -205,6 +219,7 @@ class Options:
     straggler_window: int = 128
     straggler_interval: Optional[float] = 60.0
     compression: Optional[str] = None
+    timeline: Optional[str] = None
     pipeline_bytes: dataclasses.InitVar[Optional[int]] = None  # the former name of piece_bytes
 
     def __post_init__(self, pipeline_bytes: Optional[int]) -> None:
@@ -236,6 +251,8 @@ class Options:
             raise ValueError(
                 f"options fusion_bytes and node_size must be >= 0, got {self.fusion_bytes!r} and {self.node_size!r}"
             )
+        if self.timeline == "":
+            raise ValueError("option timeline must name a directory (or be None for no timeline), got ''")
         if self.piece_bytes < 1024:
             raise ValueError(f"option piece_bytes must be at least 1024, got {self.piece_bytes!r}")
         for name in ("device", "cuda_aware"):
@@ -265,6 +282,8 @@ class Options:
                 # keywords are typed values; only the two text-valued options take (and normalise) text
                 text = isinstance(value, str) and name in ("device", "cuda_aware")
                 values[name] = _PARSERS[name](value) if text else value
+                if name == "timeline" and isinstance(value, os.PathLike):  # a pathlib.Path, say
+                    values[name] = os.fspath(value)
                 continue
             var = _env_variable(env, name)
             if var is not None:
@@ -294,6 +313,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "straggler_window": ((int,), "an integer number of collectives"),
     "straggler_interval": ((int, float, type(None)), "a number of seconds or None"),
     "compression": ((str, type(None)), '"fp16", "bf16", "none" or None'),
+    "timeline": ((str, type(None)), "a directory (str or path) or None"),
 }
 
 # MPIDIST_* variables of the project's own scripts and tests, which are not options.

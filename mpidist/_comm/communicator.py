@@ -41,6 +41,7 @@ from mpidist._comm.handle import Handle
 from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
+from mpidist._comm.timeline import NONBLOCKING, TimedAgreement, TimedTransport, Timeline, Track, open_timeline
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
@@ -79,6 +80,9 @@ class Communicator:
         backend: where arrays live (:class:`~mpidist._comm.backend.Backend`); default:
             chosen by ``options.device``, binding this rank's GPU by its
             node-local rank.
+
+    ``timeline`` is the :class:`~mpidist._comm.timeline.Timeline` this rank
+    records the collectives into (``options.timeline``), or ``None``.
     """
 
     def __init__(
@@ -105,15 +109,28 @@ class Communicator:
                 error, options = exc, Options()
         self.options = options
         self._comm = duplicate(base, options.timeout)
+        # The timeline this communicator records into (options.timeline), or None: then nothing is recorded.
+        self.timeline: Optional[Timeline] = None
+        track: Optional[Track] = None
+        if options.timeline is not None:
+            try:
+                self.timeline = open_timeline(options.timeline)
+                track = self.timeline.track(self._comm.rank, self._comm.size)
+            except OSError as exc:  # a directory this rank cannot write: raised on every rank, in the agreement
+                error = error or exc
         try:
-            self._transport = Transport(self._comm, self.options)
+            self._transport = (
+                Transport(self._comm, self.options)
+                if track is None
+                else TimedTransport(self._comm, self.options, track)
+            )
             tune_at_run_time(self._transport)
             self._topology = Topology(self._comm)
         except MPI.Exception as exc:
             raise CommError(
                 on_rank(base.rank, f"could not set up mpidist's communicator: {exc.Get_error_string()}")
             ) from exc
-        self._agreement = Agreement(self._transport)
+        self._agreement = Agreement(self._transport) if track is None else TimedAgreement(self._transport, track)
         self.local_rank: int = self._topology.node.rank
         if error is None and backend is None:
             try:
@@ -152,6 +169,9 @@ class Communicator:
         self._exchange = Exchange(self._transport, self.backend, self.cuda_aware)
         self._choose = self._algorithms.choose
         self._node_communicator: Optional[Communicator] = None
+        if track is not None:  # the nonblocking collectives, as this object's own attributes: recorded
+            for method in NONBLOCKING:
+                setattr(self, method, track.record_nonblocking(getattr(self, method), self._transport))
 
     @property
     def agreement(self) -> Agreement:
@@ -1084,10 +1104,18 @@ def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Ex
     )
 
 
-# Options that may differ between ranks: where this rank's arrays live, what it does on an error, and how it judges
-# and reports stragglers (the report's record slots are written alike whatever they are).
+# Options that may differ between ranks: where this rank's arrays live, what it does on an error, how it judges
+# and reports stragglers (the report's record slots are written alike whatever they are), and its timeline.
 _LOCAL_OPTIONS = frozenset(
-    {"device", "cuda_aware", "abort_on_error", "straggler_threshold", "straggler_window", "straggler_interval"}
+    {
+        "device",
+        "cuda_aware",
+        "abort_on_error",
+        "straggler_threshold",
+        "straggler_window",
+        "straggler_interval",
+        "timeline",
+    }
 )
 
 

@@ -62,8 +62,10 @@ class MPIStrategy:
             rank-tagged traceback), ``check_mirrored_every``, ``fusion_bytes``,
             ``hierarchical``, ``node_size``, ``flat_variables``, ``compression``
             (``"fp16"``, ``"bf16"``: float32 reductions 16 bits on the wire;
-            default ``None``, exact). Each defaults to
-            its ``MPIDIST_*`` environment variable. Unknown options raise
+            default ``None``, exact), ``timeline`` (a directory: every rank
+            records its collectives, steps and input there; ``python -m
+            mpidist timeline DIR`` merges them). Each defaults to its
+            ``MPIDIST_*`` environment variable. Unknown options raise
             ``ValueError``.
     """
 
@@ -90,6 +92,8 @@ class MPIStrategy:
         self._outer: tuple[MPIStrategy, ...] = () if parent is None else (parent, *parent._outer)
         if self.options.abort_on_error:
             install_abort_on_error()
+        if communicator.timeline is not None:  # each step on the timeline, as this object's own attribute
+            setattr(self, "run", communicator.timeline.timed(self.run, "step"))  # noqa: B010
 
     # -- identity (local) ----------------------------------------------------------------
     @property

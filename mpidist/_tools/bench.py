@@ -29,6 +29,9 @@ interleaved sample by sample so that they see the same machine load:
   that makes no MPI call: how much of it is left for ``wait()``.
 - ``safety``: an 8-byte allreduce and update with the safety settings off,
   one at a time, and on (the default).
+- ``timeline``: an 8-byte allreduce and an 8-byte mirrored update with
+  ``options.timeline`` off and on (every rank recording its collectives into a
+  temporary directory): what the timeline costs per collective.
 - ``profile``: the 8-byte mirrored update through each layer in turn (the
   agreement alone, the communicator's allreduce, its fused reduce-and-apply,
   ``assign_add``), default settings: where its microseconds go.
@@ -99,8 +102,10 @@ import functools
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Sequence
@@ -587,6 +592,34 @@ def bench_safety(bench: Bench) -> None:
         s.free()
 
 
+def bench_timeline(bench: Bench) -> None:
+    """Per-call cost of the timeline: an 8-byte allreduce and an 8-byte mirrored MEAN update, recorded or not."""
+    directory = tempfile.mkdtemp(prefix="mpidist-bench-timeline-")  # each rank its own: each writes its own file
+    strategies = {
+        "off": MPIStrategy(device="cpu", abort_on_error=False),
+        "on": MPIStrategy(device="cpu", abort_on_error=False, timeline=directory),
+    }
+    x, out = np.empty(1), _weights(1, np.float64)
+    write = bench.gradients.writer([x])
+    bench.compare(
+        "timeline",
+        "allreduce_8B",
+        {
+            name: Variant(functools.partial(s.communicator.allreduce, x, out=out), write)
+            for name, s in strategies.items()
+        },
+    )
+    updates = {}
+    for name, s in strategies.items():
+        with s.scope():
+            v = _mirrored(_weights(1, np.float64), "timeline")
+        updates[name] = Variant(functools.partial(v.assign_add, x), write, s)
+    bench.compare("timeline", "update_8B", updates)
+    for s in strategies.values():
+        s.free()
+    shutil.rmtree(directory, ignore_errors=True)  # the file stays open, unlinked, until exit
+
+
 _ALLTOALL_SIZES = (8, *(1024 * 4**k for k in range(9)))  # bytes per rank: 8 B, then 1 KiB to 64 MiB
 
 
@@ -955,7 +988,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
     parser.add_argument(
         "--cases",
-        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile,alltoall,bfloat16",
+        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,timeline,profile,alltoall,bfloat16",
         help="comma-separated subset of the cases; also 'compression' (not in the default list: it runs best "
         "across nodes) and 'scaling' (not in the default list): the MPI calls of "
         "mpidist's agreement and, under Open MPI started with OMPI_MCA_pml_monitoring_enable=1, the messages and "
@@ -989,6 +1022,8 @@ def run(args: argparse.Namespace) -> int:
         bench_overlap(bench, strategies["nocheck"], args.max_bytes)
     if "safety" in cases:
         bench_safety(bench)
+    if "timeline" in cases:
+        bench_timeline(bench)
     if "profile" in cases:
         bench_profile(bench, strategies["check"])
     if "alltoall" in cases:

@@ -476,6 +476,20 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     if median(e, name) is not None
                 ),
             )
+    for key, title in (
+        ("allreduce_8B", "Timeline: 8-byte allreduce"),
+        ("update_8B", "Timeline: 8-byte mirrored MEAN update"),
+    ):
+        e = results.get("timeline", {}).get(key)
+        if e:
+            out += _table(
+                title,
+                ["timeline", "time", "vs off", "vs off, round by round"],
+                (
+                    [name, _t(median(e, name)), _ratio(median(e, name), median(e, "off")), _paired(e, name, "off")]
+                    for name in ("off", "on")
+                ),
+            )
     profile = results.get("profile", {}).get("update_8B")
     if profile:
         out += _table(
