@@ -57,7 +57,7 @@ import numpy as np
 
 import mpidist  # before mpi4py.MPI: mpidist's MPI settings apply, as under `python -m mpidist`
 from mpidist._comm.library import library_version
-from mpidist._tools.bench import Gradients, Variant, mpi_settings
+from mpidist._tools.bench import Gradients, Variant, mpi_settings, sample
 from mpidist._units import human_size, human_time
 
 _MIB = 1 << 20
@@ -156,24 +156,7 @@ class Job:
 
     def sample(self, variant: Variant, calls: int) -> float:
         """Collective: seconds per call (the slowest rank's, averaged over ``calls``), each call timed alone."""
-        times = np.empty(calls)
-        write, call, barrier, clock = variant.write, variant.call, self.comm.Barrier, time.perf_counter
-
-        def loop() -> None:
-            for i in range(calls):
-                write()
-                barrier()
-                start = clock()
-                call()
-                times[i] = clock() - start
-
-        if variant.strategy is None:
-            loop()
-        else:  # in the strategy's replica context, where an update is reduced
-            with variant.strategy.scope():
-                variant.strategy.run(loop)
-        self.comm.Allreduce(self.MPI.IN_PLACE, times, self.MPI.MAX)
-        return float(times.mean())
+        return sample(self.comm, variant, calls)
 
     def chosen(self, nbytes: int) -> str:
         """The algorithm the default strategy takes for one call of ``nbytes`` (its first piece)."""

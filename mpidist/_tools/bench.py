@@ -140,6 +140,7 @@ __all__ = [
     "resnet50_shapes",
     "resnet_variants",
     "run",
+    "sample",
     "scaling_variants",
     "uneven_splits",
     "update_variants",
@@ -269,6 +270,34 @@ def _all_reduce_into(reduced: list[np.ndarray], grads: list[np.ndarray]) -> Call
     return call
 
 
+def sample(comm: MPI.Intracomm, variant: Variant, calls: int) -> float:
+    """Collective over ``comm``: seconds per call of ``calls`` calls of ``variant``, each timed alone.
+
+    Before each call: ``variant.write()``, then a barrier; only the call is
+    timed. A call's time is the slowest rank's; the result is their mean. A
+    variant with a strategy runs in its replica context, where an update is
+    reduced.
+    """
+    times = np.empty(calls)
+    write, call, barrier, clock = variant.write, variant.call, comm.Barrier, time.perf_counter
+
+    def loop() -> None:
+        for i in range(calls):
+            write()
+            barrier()
+            start = clock()
+            call()
+            times[i] = clock() - start
+
+    if variant.strategy is None:
+        loop()
+    else:
+        with variant.strategy.scope():
+            variant.strategy.run(loop)
+    comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return float(times.mean())
+
+
 class Bench:
     """Timing and bookkeeping shared by the cases; collective methods are called by every rank."""
 
@@ -303,29 +332,8 @@ class Bench:
         return slowest.tolist()
 
     def sample(self, variant: Variant, calls: int) -> float:
-        """Collective: seconds per call of ``calls`` calls of ``variant``, each timed alone.
-
-        Before each call: ``variant.write()``, then a barrier; only the call
-        is timed. A call's time is the slowest rank's; the result is their mean.
-        """
-        times = np.empty(calls)
-        write, call, barrier, clock = variant.write, variant.call, self.comm.Barrier, time.perf_counter
-
-        def loop() -> None:
-            for i in range(calls):
-                write()
-                barrier()
-                start = clock()
-                call()
-                times[i] = clock() - start
-
-        if variant.strategy is None:
-            loop()
-        else:
-            with variant.strategy.scope():
-                variant.strategy.run(loop)
-        self.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-        return float(times.mean())
+        """Collective: :func:`sample` over this benchmark's communicator."""
+        return sample(self.comm, variant, calls)
 
     def compare(self, case: str, key: str, variants: dict[str, Variant]) -> dict[str, float]:
         """Collective: time each variant, samples interleaved; medians in seconds per call.
