@@ -77,7 +77,6 @@ class Fusion:
         self._compression = compression
         # the encoding of the blocking reduction in progress (set by reduce_apply; None: exact), which
         # _transfer applies to each float32 SUM/MEAN buffer it reduces
-        self._wire: Optional[str] = None
         self._agreement = agreement
         self._choose = algorithms.choose
         self._backend = backend
@@ -121,7 +120,6 @@ class Fusion:
                 or self._error(sends, ops, names)
                 or wire_error(wire, sends, ops, names, self._transport.rank, _what(sends, ops, names))
             )
-        self._wire = wire
         if self._options.check_overflow and any(overflow.applies(op, a.dtype) for a, op in zip(sends, ops)):
             what = _what(sends, ops, names)
             self._agree(
@@ -130,7 +128,8 @@ class Fusion:
                 names,
                 fn,
                 error,
-                lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried),
+                lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried, wire),
+                wire,
             )
             return
         if len(sends) == 1 and error is None:
@@ -150,7 +149,9 @@ class Fusion:
                     self._transport.begin()
                     carried = None
                 if carried is None:
-                    self._stream(_what(sends, ops, names), send.reshape(-1), targets[0].reshape(-1), op, fn, in_place)
+                    self._stream(
+                        _what(sends, ops, names), send.reshape(-1), targets[0].reshape(-1), op, fn, in_place, wire
+                    )
                     return
                 if op is ReduceOp.MEAN:
                     carried = carried / self._transport.size
@@ -168,9 +169,9 @@ class Fusion:
                 if in_place:
                     sends[0].reshape(-1)[...] = reduced
             else:
-                self._reduce_apply(what, sends, targets, ops, fn, in_place)
+                self._reduce_apply(what, sends, targets, ops, fn, in_place, wire)
 
-        self._agree(sends, ops, names, fn, error, then)
+        self._agree(sends, ops, names, fn, error, then, wire)
 
     def _reduce_apply(
         self,
@@ -180,9 +181,10 @@ class Fusion:
         ops: Sequence[Op],
         fn: UpdateFn,
         in_place: bool,
+        wire: Optional[str],
     ) -> None:
         if len(sends) == 1:  # the per-update latency path
-            self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place)
+            self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place, wire)
             return
         limit = min(self._options.fusion_bytes, self._options.piece_bytes)
         for op, members in self._groups(sends, ops):
@@ -190,14 +192,14 @@ class Fusion:
             used = 0
             for send, target in _spans([sends[i] for i in members], [targets[i] for i in members]):
                 if send.nbytes > limit:  # large: reduce it where it is
-                    self._stream(what, send, target, op, fn, in_place)
+                    self._stream(what, send, target, op, fn, in_place, wire)
                     continue
                 if used + send.nbytes > self._options.piece_bytes:
-                    self._flush(what, bucket, op, fn, in_place)
+                    self._flush(what, bucket, op, fn, in_place, wire)
                     bucket, used = [], 0
                 bucket.append((send, target))
                 used += send.nbytes
-            self._flush(what, bucket, op, fn, in_place)
+            self._flush(what, bucket, op, fn, in_place, wire)
 
     def _checked_apply(
         self,
@@ -209,6 +211,7 @@ class Fusion:
         names: Sequence[str],
         in_place: bool,
         carried: Optional[np.ndarray],
+        wire: Optional[str],
     ) -> None:
         """:meth:`_reduce_apply` with integer sums checked: every checked sum first, then any write.
 
@@ -224,7 +227,7 @@ class Fusion:
             else:
                 wide = overflow.widen(sends[i])
                 for lo, hi in self._choose(wide.nbytes).pieces(wide):
-                    self._transfer(what, None, wide[lo:hi], ReduceOp.SUM)
+                    self._transfer(what, None, wide[lo:hi], ReduceOp.SUM, None)  # exact: integers
                 sums[i] = overflow.narrow(wide, sends[i].dtype, names[i], rank)
         for i, reduced in sums.items():
             fn(targets[i].reshape(-1), reduced)
@@ -233,10 +236,12 @@ class Fusion:
         rest = [i for i in range(len(sends)) if i not in sums]
         if rest:
             self._reduce_apply(
-                what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest], fn, in_place
+                what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest], fn, in_place, wire
             )
 
-    def _stream(self, what: str, send: Array, target: Array, op: Op, fn: UpdateFn, in_place: bool) -> None:
+    def _stream(
+        self, what: str, send: Array, target: Array, op: Op, fn: UpdateFn, in_place: bool, wire: Optional[str]
+    ) -> None:
         """Reduce the flat ``send`` piece by piece (into the bucket, or where it is), applying ``fn`` after each.
 
         :func:`_into` (``allreduce_many`` with ``out=``) reduces straight into the target: no scratch copy.
@@ -246,37 +251,39 @@ class Fusion:
         if fn is _into and op is not None and not in_place:
             alias = data_pointer(send) == data_pointer(target)  # out= is the input itself: reduce it in place
             for lo in range(0, send.size, step):
-                self._transfer(what, None if alias else send[lo : lo + step], target[lo : lo + step], op)
+                self._transfer(what, None if alias else send[lo : lo + step], target[lo : lo + step], op, wire)
             return
         if send.size <= step:  # one piece: the common case of small arrays, kept short
             fn(
                 target,
-                self._transfer(what, None, send, op)
+                self._transfer(what, None, send, op, wire)
                 if in_place
-                else self._transfer(what, send, bucket[: send.size], op),
+                else self._transfer(what, send, bucket[: send.size], op, wire),
             )
             return
         for lo in range(0, send.size, step):
             hi = min(lo + step, send.size)
             fn(
                 target[lo:hi],
-                self._transfer(what, None, send[lo:hi], op)
+                self._transfer(what, None, send[lo:hi], op, wire)
                 if in_place
-                else self._transfer(what, send[lo:hi], bucket[: hi - lo], op),
+                else self._transfer(what, send[lo:hi], bucket[: hi - lo], op, wire),
             )
 
-    def _flush(self, what: str, spans: list[tuple[Array, Array]], op: Op, fn: UpdateFn, in_place: bool) -> None:
+    def _flush(
+        self, what: str, spans: list[tuple[Array, Array]], op: Op, fn: UpdateFn, in_place: bool, wire: Optional[str]
+    ) -> None:
         """Pack ``spans`` (flat sends and targets, together at most one bucket) and reduce them with one call."""
         if len(spans) <= 1:
             for send, target in spans:
-                self._stream(what, send, target, op, fn, in_place)
+                self._stream(what, send, target, op, fn, in_place, wire)
             return
         bucket = self._bucket(spans[0][0])
         offset = 0
         for send, _ in spans:
             bucket[offset : offset + send.size] = send
             offset += send.size
-        reduced = self._transfer(what, None, bucket[:offset], op)
+        reduced = self._transfer(what, None, bucket[:offset], op, wire)
         offset = 0
         for send, target in spans:
             fn(target, reduced[offset : offset + send.size])
@@ -439,8 +446,10 @@ class Fusion:
         fn: Optional[UpdateFn],
         error: Optional[Exception],
         then: Callable[[Optional[np.ndarray]], None],
+        wire: Optional[str],
     ) -> None:
-        """Collective: agree on the list (with this rank's ``error``, if any), then run ``then``."""
+        """Collective: agree on the list (with this rank's ``error``, if any) and its compression ``wire``, then
+        run ``then``."""
         error = error or self._error(arrays, ops, names)
         if not self._agreement.enabled:
             self._transport.begin()
@@ -449,9 +458,7 @@ class Fusion:
             then(None)
             return
         call = (
-            self._call(arrays, ops, names, fn, self._wire)
-            if error is None
-            else Call(Kind.FUSED, _what(arrays, ops, names))
+            self._call(arrays, ops, names, fn, wire) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
         )
         data = arrays[0] if len(arrays) == 1 else [a for a, op in zip(arrays, ops) if op is not None]
         self._agreement.start(
@@ -478,8 +485,10 @@ class Fusion:
             self._buckets[key] = bucket
         return bucket
 
-    def _transfer(self, what: str, send: Optional[Array], buf: Array, op: Op) -> Array:
+    def _transfer(self, what: str, send: Optional[Array], buf: Array, op: Op, wire: Optional[str]) -> Array:
         """One MPI call: the reduction of every rank's ``send`` (``buf`` if ``None``); returns where it is.
+
+        ``wire``: the call's compression, for the float32 SUM and MEAN it applies to.
 
         The result is in ``buf``, except for ``op`` ``None`` on rank 0, which
         keeps its own ``send``.
@@ -494,7 +503,6 @@ class Fusion:
             return source
         if send is not None:  # reduced in place: the output form never changes the MPI calls
             buf[...] = send  # before to_mpi, which synchronises a device array's stream
-        wire = self._wire
         if wire is not None and compressed(wire, op, buf.dtype):  # 16 bits on the wire (MEAN included)
             self._compression.reduce(what, buf, op, wire)
             return buf
