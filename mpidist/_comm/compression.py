@@ -59,7 +59,7 @@ from mpidist._options import COMPRESSIONS
 if TYPE_CHECKING:
     from mpidist._typing import Array
 
-__all__ = ["Compression", "applies", "wire_error"]
+__all__ = ["Compression", "applies", "wire_error", "wire_of"]
 
 _F32 = np.dtype(np.float32)
 # 16-bit float dtypes' ranges, for messages
