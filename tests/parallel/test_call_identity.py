@@ -306,7 +306,12 @@ def test_a_name_that_differs_is_a_mismatch(strategy):
 
 @pytest.mark.parametrize(
     ("option", "mine", "theirs"),
-    [("hierarchical", True, False), ("check_collectives", False, True), ("fusion_bytes", 1024, 65536)],
+    [
+        ("hierarchical", True, False),
+        ("check_collectives", False, True),
+        ("fusion_bytes", 1024, 65536),
+        ("compression", "bf16", None),
+    ],
 )
 def test_options_that_differ_are_refused_at_creation(option, mine, theirs):
     world = MPI.COMM_WORLD
