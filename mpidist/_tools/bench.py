@@ -578,26 +578,12 @@ def bench_safety(bench: Bench) -> None:
         "deadline_only": dict(check_collectives=False),
         "default": {},
     }
-    strategies = {name: MPIStrategy(device="cpu", abort_on_error=False, **kw) for name, kw in settings.items()}
-    x, out = np.empty(1), _weights(1, np.float64)
-    write = bench.gradients.writer([x])
-    variants = {"raw": Variant(lambda: bench.comm.Allreduce(x, out, MPI.SUM), write)}
-    variants.update(
-        {
-            name: Variant(functools.partial(s.communicator.allreduce, x, out=out), write)
-            for name, s in strategies.items()
-        }
+    _compare_8_bytes(
+        bench,
+        "safety",
+        {name: MPIStrategy(device="cpu", abort_on_error=False, **kw) for name, kw in settings.items()},
+        baselines=True,
     )
-    bench.compare("safety", "allreduce_8B", variants)
-    tmp, weight = _weights(1, np.float64), _weights(1, np.float64)
-    updates = {"hand_loop": Variant(_hand_loop(bench.comm, x, tmp, weight), write)}
-    for name, s in strategies.items():
-        with s.scope():
-            v = _mirrored(_weights(1, np.float64), "safety")
-        updates[name] = Variant(functools.partial(v.assign_add, x), write, s)
-    bench.compare("safety", "update_8B", updates)
-    for s in strategies.values():
-        s.free()
 
 
 def bench_timeline(bench: Bench) -> None:
@@ -607,25 +593,31 @@ def bench_timeline(bench: Bench) -> None:
         "off": MPIStrategy(device="cpu", abort_on_error=False),
         "on": MPIStrategy(device="cpu", abort_on_error=False, timeline=directory),
     }
+    _compare_8_bytes(bench, "timeline", strategies, baselines=False)
+    shutil.rmtree(directory, ignore_errors=True)  # the file stays open, unlinked, until exit
+
+
+def _compare_8_bytes(bench: Bench, case: str, strategies: dict[str, MPIStrategy], baselines: bool) -> None:
+    """Collective: ``case``'s ``allreduce_8B`` (the communicator's allreduce into ``out=``) and ``update_8B`` (a
+    mirrored MEAN ``assign_add``) of one float64 by each strategy, with raw mpi4py's ``Allreduce`` and the hand
+    loop beside them when ``baselines``; the strategies are freed at the end."""
     x, out = np.empty(1), _weights(1, np.float64)
     write = bench.gradients.writer([x])
-    bench.compare(
-        "timeline",
-        "allreduce_8B",
-        {
-            name: Variant(functools.partial(s.communicator.allreduce, x, out=out), write)
-            for name, s in strategies.items()
-        },
-    )
+    variants = {"raw": Variant(lambda: bench.comm.Allreduce(x, out, MPI.SUM), write)} if baselines else {}
+    for name, s in strategies.items():
+        variants[name] = Variant(functools.partial(s.communicator.allreduce, x, out=out), write)
+    bench.compare(case, "allreduce_8B", variants)
     updates = {}
+    if baselines:
+        tmp, weight = _weights(1, np.float64), _weights(1, np.float64)
+        updates["hand_loop"] = Variant(_hand_loop(bench.comm, x, tmp, weight), write)
     for name, s in strategies.items():
         with s.scope():
-            v = _mirrored(_weights(1, np.float64), "timeline")
+            v = _mirrored(_weights(1, np.float64), case)
         updates[name] = Variant(functools.partial(v.assign_add, x), write, s)
-    bench.compare("timeline", "update_8B", updates)
+    bench.compare(case, "update_8B", updates)
     for s in strategies.values():
         s.free()
-    shutil.rmtree(directory, ignore_errors=True)  # the file stays open, unlinked, until exit
 
 
 _ALLTOALL_SIZES = (8, *(1024 * 4**k for k in range(9)))  # bytes per rank: 8 B, then 1 KiB to 64 MiB
