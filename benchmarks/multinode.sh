@@ -8,11 +8,14 @@
 #   benchmarks/multinode.sh [OUT]                       # 2 nodes x 2 ranks, 1 and 10 Gbit/s, both MPIs
 #   NODES=4 PER_NODE=1 RATES=1gbit benchmarks/multinode.sh OUT-4x1
 #   SMOKE=1 benchmarks/multinode.sh [OUT]               # the smallest run: proves the script works
+#   COMPRESSION=1 RATES=1gbit MPIS=openmpi MIN_BYTES=16777216 MAX_BYTES=67108864 benchmarks/multinode.sh OUT
+#                                                        # wire compression: the MEAN update exact, fp16, bf16
 #
 # Settings (environment): RATES (default "1gbit 10gbit"; tc's units, "none" for the bare veth
 # links), NODES (2), PER_NODE (2: ranks per node), MPIS ("openmpi mpich": the virtual environments
 # .venv-openmpi and .venv-mpich in VENVS, default the checkout), REPEATS (5), MIN_BYTES (64 KiB),
-# MAX_BYTES (256 MiB), RAW_MAX_BYTES (MAX_BYTES), BURST_MS (1), QUEUE_MS (8). OUT (default
+# MAX_BYTES (256 MiB), RAW_MAX_BYTES (MAX_BYTES), BURST_MS (1), QUEUE_MS (8), COMPRESSION (set: time
+# the mirrored MEAN update exact and with fp16 and bf16 wire compression instead). OUT (default
 # multinode-DATE, outside /tmp: every node has its own /tmp) gets NODESxPER_NODE/RATE/MPI/ with
 # results.json and results.md, and multinode.md and multinode.png for all runs under OUT.
 #
@@ -21,12 +24,12 @@
 #   burst = RATE x BURST_MS   (1 ms: 125 KB at 1 Gbit/s, 1.25 MB at 10 Gbit/s)
 #   limit = RATE x QUEUE_MS   (8 ms of queue: 1 MB at 1 Gbit/s, 10 MB at 10 Gbit/s)
 # The burst is what the link may send above RATE after an idle moment: as small as lets one TCP
-# stream reach the rate here (64 KB, less than a full-size segment of the veth's segmentation
-# offload, held a 1 Gbit/s stream to 0.6-0.7 Gbit/s, and a 10 Gbit/s one to 1.2-1.4 Gbit/s).
-# The limit is the queue a switch port would hold: with 64-256 KB, TCP lost packets there and a
-# stream both ways reached half the rate (0.5 Gbit/s); with 1 MB, 0.9-0.95 Gbit/s. What a link
-# delivers still depends on the MPI's use of it and on the CPU: hence the bound measured in the
-# same run, never the nominal rate. The cluster goes down when the script ends, also on failure
+# stream both ways (a Python socket test) reach the rate here: with 64 KB, less than a full-size
+# segment of the veth's segmentation offload, a 1 Gbit/s link carried 0.6-0.75 Gbit/s each way
+# and a 10 Gbit/s one 1.2-1.4. The limit is the queue a switch port would hold: with 64-256 KB the
+# stream got half the rate (0.50-0.53 Gbit/s); with 1 MB (and the 1 ms burst) 0.88-0.95 Gbit/s;
+# at 10 Gbit/s about 7 (the CPU's limit). What a link delivers still depends on the MPI's use of
+# it and on the CPU: hence the bound measured in the same run, never the nominal rate. The cluster goes down when the script ends, also on failure
 # (and, through the cluster's watchdog, when the script is killed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +49,17 @@ else
 fi
 RAW_MAX_BYTES=${RAW_MAX_BYTES:-$MAX_BYTES}
 
+# bits per second of a tc rate (kbit, mbit, gbit)
+bits() {
+    local n=${1%%[a-z]*} unit=${1##*[0-9]}
+    [[ "$n" =~ ^[0-9]+$ ]] || unit=bad
+    case "$unit" in kbit) echo $((n * 1000)) ;; mbit) echo $((n * 1000000)) ;; gbit) echo $((n * 1000000000)) ;;
+        *) echo "multinode.sh: rate $1: expected none or a number followed by kbit, mbit or gbit" >&2; return 1 ;; esac
+}
+for rate in $RATES; do  # every rate checked before anything is set up
+    [ "$rate" = none ] || bits "$rate" >/dev/null || exit 1
+done
+
 state=$(mktemp -d /var/tmp/mpidist-multinode-bench.XXXXXX)
 chmod 755 "$state"
 down() {
@@ -62,14 +76,8 @@ NAMES="" SUBNET="" NAMESPACES=""
 source "$cluster/nodes.env"
 read -ra names <<<"$NAMES"
 
-# bits per second of a tc rate (kbit, mbit, gbit)
-bits() {
-    local n=${1%%[a-z]*} unit=${1##*[0-9]}
-    case "$unit" in kbit) echo $((n * 1000)) ;; mbit) echo $((n * 1000000)) ;; gbit) echo $((n * 1000000000)) ;;
-        *) echo "multinode.sh: rate $1: expected NUMBER followed by kbit, mbit or gbit" >&2; exit 1 ;; esac
-}
 shape() {  # RATE: tbf on both ends of every node's link ("none": remove them)
-    local rate=$1 k veth burst limit
+    local rate=$1 k veth burst limit per_second
     for ((k = 0; k < ${#names[@]}; k++)); do
         veth=VETH_$k
         if [ "$rate" = none ]; then
@@ -77,7 +85,8 @@ shape() {  # RATE: tbf on both ends of every node's link ("none": remove them)
             "$cluster/on" "${names[k]}" tc qdisc del dev eth0 root 2>/dev/null || true
             continue
         fi
-        burst=$(($(bits "$rate") / 8 * BURST_MS / 1000)) limit=$(($(bits "$rate") / 8 * QUEUE_MS / 1000))
+        per_second=$(($(bits "$rate") / 8))
+        burst=$((per_second * BURST_MS / 1000)) limit=$((per_second * QUEUE_MS / 1000))
         tc qdisc replace dev "${!veth}" root tbf rate "$rate" burst "$burst" limit "$limit"
         "$cluster/on" "${names[k]}" tc qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" limit "$limit"
     done
@@ -94,7 +103,7 @@ launch() {  # MPI: the launcher's command line on the first node, every node wit
     fi
 }
 
-echo "multinode: $NODES nodes x $PER_NODE ranks; links $RATES; $MPIS; $REPEATS rounds, $MIN_BYTES to $MAX_BYTES bytes"
+echo "multinode: $NODES nodes x $PER_NODE ranks; links $RATES; $MPIS; $REPEATS rounds, $MIN_BYTES to $MAX_BYTES bytes${COMPRESSION:+; wire compression mode}"
 echo "multinode: load average now: $(cut -d' ' -f1-3 /proc/loadavg) (link-limited rows stand some load; latency rows do not)"
 started=$(date +%s)
 for rate in $RATES; do
@@ -122,7 +131,7 @@ for rate in $RATES; do
             # shellcheck disable=SC2046  # the launcher's words
             timeout 3600 $(launch "$mpi") benchmarks/multinode_bench.py --out "$dir" --rate "$rate" --link "$link" \
                 --repeats "$REPEATS" --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" \
-                --raw-max-bytes "$RAW_MAX_BYTES" 2>&1 | tee "$dir/bench.log"
+                --raw-max-bytes "$RAW_MAX_BYTES" ${COMPRESSION:+--compression} 2>&1 | tee "$dir/bench.log"
         )
     done
 done

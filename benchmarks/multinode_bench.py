@@ -1,8 +1,9 @@
 """Allreduce across nodes at the link limit: raw MPI, mpidist flat, two-level and default, against the links.
 
     sudo benchmarks/multinode.sh [OUT]     # nodes up, links shaped, this job under each MPI, nodes down
+    sudo COMPRESSION=1 RATES=1gbit benchmarks/multinode.sh [OUT]   # the wire compression mode
     # by hand, across nodes (docs/multinode.md shows the launchers):
-    mpiexec ... python benchmarks/multinode_bench.py --out DIR --link "1gbit (tbf ...)"
+    mpiexec ... python benchmarks/multinode_bench.py --out DIR --rate 1gbit --link "1gbit tbf"
     python benchmarks/multinode_bench.py --report OUT      # one table and plot of every run under OUT
 
 For each size (float32 SUM, 64 KiB to 256 MiB, doubling), in rounds of one sample of each variant
@@ -20,6 +21,11 @@ For each size (float32 SUM, 64 KiB to 256 MiB, doubling), in rounds of one sampl
 - ``raw``: ``MPI_Allreduce`` in place over every rank (the library's tuned choice).
 - ``flat``, ``two_level``, ``default``: ``strategy.reduce("sum", x, out=x)`` with
   ``hierarchical=False``, ``True`` and not set (the default; checks on, as by default).
+
+With ``--compression`` the job times instead, beside the link bound, a mirrored variable's
+replica-context MEAN update (``assign_add`` of the buffer, float32) by the default strategy
+(``exact``) and by strategies with ``compression="fp16"`` and ``"bf16"``: the ratios of the
+compressed updates to the exact one.
 
 Before every call the buffer is written with new values that depend on the rank and the call, as
 a backward pass writes gradients (:class:`mpidist._tools.bench.Gradients`), then a barrier, then
@@ -51,13 +57,14 @@ import numpy as np
 
 import mpidist  # before mpi4py.MPI: mpidist's MPI settings apply, as under `python -m mpidist`
 from mpidist._comm.library import library_version
-from mpidist._tools.bench import Gradients, Variant, mpi_settings
+from mpidist._tools.bench import Gradients, Variant, mpi_settings, sample
 from mpidist._units import human_size, human_time
 
 _MIB = 1 << 20
 _SAMPLE_SECONDS = 0.05
 _MAX_CALLS = 200
 VARIANTS = ("link", "link_pieces", "raw", "flat", "two_level", "default")
+COMPRESSED = ("exact", "fp16", "bf16")  # the strategies of the compression mode, by their compression
 LABELS = {
     "link": "link bound (two-way Sendrecv)",
     "raw": "raw MPI_Allreduce",
@@ -78,7 +85,7 @@ def sizes(min_bytes: int, max_bytes: int) -> list[int]:
 class Job:
     """The collective part: communicators, strategies and the timing of one sample."""
 
-    def __init__(self, raw_max_bytes: int) -> None:
+    def __init__(self, raw_max_bytes: int, compression: bool = False) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -93,11 +100,21 @@ class Job:
         self.hosts = self.comm.allgather(MPI.Get_processor_name())
         self.gradients = Gradients(self.rank)
         self.raw_max_bytes = raw_max_bytes
-        self.strategies = {
-            "flat": mpidist.MPIStrategy(device="cpu", hierarchical=False, abort_on_error=False),
-            "two_level": mpidist.MPIStrategy(device="cpu", hierarchical=True, abort_on_error=False),
-            "default": mpidist.MPIStrategy(device="cpu", abort_on_error=False),
-        }
+        self.compression = compression
+        if compression:
+            self.strategies = {
+                name: mpidist.MPIStrategy(
+                    device="cpu", compression=None if name == "exact" else name, abort_on_error=False
+                )
+                for name in COMPRESSED
+            }
+            self.strategies["default"] = self.strategies["exact"]  # for chosen()
+        else:
+            self.strategies = {
+                "flat": mpidist.MPIStrategy(device="cpu", hierarchical=False, abort_on_error=False),
+                "two_level": mpidist.MPIStrategy(device="cpu", hierarchical=True, abort_on_error=False),
+                "default": mpidist.MPIStrategy(device="cpu", abort_on_error=False),
+            }
 
     def variants(self, buf: np.ndarray, other: np.ndarray) -> dict[str, Variant]:
         MPI, comm = self.MPI, self.comm
@@ -106,6 +123,17 @@ class Job:
         piece = self.strategies["default"].options.piece_bytes // buf.itemsize
         if buf.size > piece:
             out["link_pieces"] = Variant(self._link(buf, other, piece), write)
+        if self.compression:
+            for name in COMPRESSED:
+                strategy = self.strategies[name]
+                with strategy.scope():
+                    variable = mpidist.Variable(
+                        np.full(buf.shape, 0.25, np.float32),
+                        aggregation=mpidist.VariableAggregation.MEAN,
+                        name=f"update{buf.nbytes}",
+                    )
+                out[name] = Variant(lambda v=variable: v.assign_add(buf), write, strategy)
+            return out
         if buf.nbytes <= self.raw_max_bytes:
             out["raw"] = Variant(lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), write)
         for name, strategy in self.strategies.items():
@@ -128,16 +156,7 @@ class Job:
 
     def sample(self, variant: Variant, calls: int) -> float:
         """Collective: seconds per call (the slowest rank's, averaged over ``calls``), each call timed alone."""
-        times = np.empty(calls)
-        write, call, barrier, clock = variant.write, variant.call, self.comm.Barrier, time.perf_counter
-        for i in range(calls):
-            write()
-            barrier()
-            start = clock()
-            call()
-            times[i] = clock() - start
-        self.comm.Allreduce(self.MPI.IN_PLACE, times, self.MPI.MAX)
-        return float(times.mean())
+        return sample(self.comm, variant, calls)
 
     def chosen(self, nbytes: int) -> str:
         """The algorithm the default strategy takes for one call of ``nbytes`` (its first piece)."""
@@ -164,7 +183,7 @@ class Job:
         return entry
 
     def free(self) -> None:
-        for s in self.strategies.values():
+        for s in dict.fromkeys(self.strategies.values()):
             s.free()
         if self.leaders != self.MPI.COMM_NULL:
             self.leaders.Free()
@@ -248,11 +267,51 @@ def table(meta: dict[str, Any], results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def compression_table(meta: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """Markdown: per size the link bound, the exact and compressed updates, and their ratios."""
+    nodes = meta["nodes"]
+    lines = [
+        "| size | exchange: whole / pieces | link bound | exact update (algorithm) | fp16 | bf16 "
+        "| fp16 / exact | bf16 / exact | fp16 / exact, round by round | bf16 / exact, round by round "
+        "| exact / bound |",
+        "|---" * 11 + "|",
+    ]
+    for key, e in sorted(results.items(), key=lambda kv: int(kv[0])):
+        nbytes, bound = int(key), bound_s(e, nodes)
+        med = {name: _median(e, name) for name in ("link", "link_pieces", *COMPRESSED)}
+        algorithm = "two-level" if e.get("default_algorithm") == "Hierarchical" else "flat"
+        lines.append(
+            f"| {human_size(nbytes)} | {_t(med['link'])} / {_t(med['link_pieces'])} | {_t(bound)} | "
+            f"{_t(med['exact'])} ({algorithm}) | {_t(med['fp16'])} | {_t(med['bf16'])} | "
+            + " | ".join(_x(med[n], med["exact"] or 1.0) for n in ("fp16", "bf16"))
+            + " | "
+            + " | ".join(_rounds(e, n, "exact") for n in ("fp16", "bf16"))
+            + f" | {_x(med['exact'], bound)} |"
+        )
+    return lines
+
+
+def _rounds(entry: dict[str, Any], name: str, base: str) -> str:
+    """``name / base`` round by round (the rounds are interleaved): median (min-max)."""
+    a, b = entry[name]["samples_s"], entry[base]["samples_s"]
+    ratios = sorted(x / y for x, y in zip(a, b))
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def markdown(meta: dict[str, Any]) -> str:
+    compression = meta.get("mode") == "compression"
+    what = "Wire compression across nodes" if compression else "Allreduce across nodes"
+    rows = compression_table(meta, meta["results"]) if compression else table(meta, meta["results"])
+    explained = (
+        "exact, fp16, bf16: a mirrored variable's MEAN update (assign_add, replica context) of the float32 "
+        "buffer by the default strategy and by strategies with compression='fp16' and 'bf16'."
+        if compression
+        else "busbw: that many bytes per byte reduced, per second, in Gbit/s."
+    )
     return (
         "\n".join(
             [
-                f"# Allreduce across nodes: {title(meta)}",
+                f"# {what}: {title(meta)}",
                 "",
                 f"{meta['date']}; {meta['mpi']}; mpidist {meta['mpidist']}, Python {meta['python']}, NumPy "
                 f"{meta['numpy']}; {meta['ranks']} ranks on {meta['nodes']} nodes ({meta['placement']}); "
@@ -261,9 +320,9 @@ def markdown(meta: dict[str, Any]) -> str:
                 "",
                 "exchange: a raw two-way Sendrecv of the buffer between the nodes' first ranks, whole or in pieces "
                 f"of 2 MiB; link bound: the faster x {bound_factor(meta['nodes']):g} (2 (N - 1) / N buffers over "
-                "each link each way, N nodes); busbw: that many bytes per byte reduced, per second, in Gbit/s.",
+                f"each link each way, N nodes); {explained}",
                 "",
-                *table(meta, meta["results"]),
+                *rows,
             ]
         )
         + "\n"
@@ -271,7 +330,7 @@ def markdown(meta: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    job = Job(args.raw_max_bytes)
+    job = Job(args.raw_max_bytes, args.compression)
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     results = {}
@@ -279,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
         entry = job.measure(nbytes, args.repeats)
         results[str(nbytes)] = entry
         if job.rank == 0:
-            shown = ", ".join(f"{n} {_t(_median(entry, n))}" for n in VARIANTS if n in entry)
+            shown = ", ".join(f"{n} {_t(_median(entry, n))}" for n in (*VARIANTS, *COMPRESSED) if n in entry)
             print(f"[multinode] {human_size(nbytes)}: {shown} (default: {entry['default_algorithm']})", flush=True)
     if job.rank == 0:
         version = library_version()
@@ -301,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
             "rate_bits": rate_bits(args.rate),
             "mpi_settings": mpi_settings(),
             "repeats": args.repeats,
+            "mode": "compression" if args.compression else "allreduce",
             "load_before": round(load_before, 2),
             "load_after": round(os.getloadavg()[0], 2),
             "seconds": time.perf_counter() - started,
@@ -356,22 +416,23 @@ def plot(runs: Sequence[dict[str, Any]], path: Path) -> bool:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
 
 
 def report(folder: Path) -> int:
-    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("**/results.json"))]
-    if not runs:
+    every = [json.loads(p.read_text()) for p in sorted(folder.glob("**/results.json"))]
+    runs = [m for m in every if m.get("mode") != "compression"]  # the plot's; compression runs: tables only
+    if not every:
         print(f"no results.json under {folder}", file=sys.stderr)
         return 1
     runs.sort(key=lambda m: (m["nodes"], m["per_node"], m.get("rate_bits") or 1 << 62, m["mpi_short"]))
     text = []
-    for meta in runs:
+    for meta in runs + [m for m in every if m.get("mode") == "compression"]:
         text += [f"## {title(meta)}", "", markdown(meta).split("\n", 2)[2]]
     (folder / "multinode.md").write_text("\n".join(text))
-    written = ["multinode.md"] + (["multinode.png"] if plot(runs, folder / "multinode.png") else [])
+    written = ["multinode.md"] + (["multinode.png"] if runs and plot(runs, folder / "multinode.png") else [])
     print(f"wrote {', '.join(str(folder / w) for w in written)}")
     return 0
 
@@ -386,6 +447,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-bytes", type=int, default=256 * _MIB)
     parser.add_argument(
         "--raw-max-bytes", type=int, default=256 * _MIB, help="largest buffer raw MPI_Allreduce is timed at"
+    )
+    parser.add_argument(
+        "--compression",
+        action="store_true",
+        help="time the mirrored MEAN update exact and with compression fp16 and bf16, instead of the allreduces",
     )
     parser.add_argument("--report", type=Path, help="write multinode.md and .png from the runs under this folder")
     args = parser.parse_args(argv)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_bfloat16"]
+__all__ = ["bfloat16", "is_bfloat16"]
 
 
 def is_bfloat16(dtype: np.dtype[Any]) -> bool:
@@ -17,3 +17,12 @@ def is_bfloat16(dtype: np.dtype[Any]) -> bool:
     """
     ml_dtypes = sys.modules.get("ml_dtypes")
     return ml_dtypes is not None and dtype.type is ml_dtypes.bfloat16
+
+
+def bfloat16() -> np.dtype[Any]:
+    """Local: ml_dtypes' bfloat16 dtype (importing ml_dtypes); ``ImportError`` saying how to install it."""
+    try:
+        import ml_dtypes
+    except ImportError as exc:
+        raise ImportError("bfloat16 needs ml_dtypes, which is not installed: pip install 'mpidist[bfloat16]'") from exc
+    return np.dtype(ml_dtypes.bfloat16)

@@ -14,10 +14,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
-__all__ = ["Options"]
+__all__ = ["COMPRESSIONS", "Options"]
 
 _MIB = 1 << 20
 _PIECE_BYTES = 2 * _MIB
+COMPRESSIONS = ("fp16", "bf16")  # the wire encodings of compressed float32 reductions
 # Options renamed since they were released: new name -> former name (which keeps working, and warns).
 _FORMER = {"piece_bytes": "pipeline_bytes"}
 
@@ -49,6 +50,20 @@ def _parse_seconds(text: str) -> Optional[float]:
     return None if value == 0 else value
 
 
+def _parse_compression(text: str) -> Optional[str]:
+    """``fp16`` or ``bf16``; ``None`` for ``none`` (or nothing): exact reductions."""
+    low = text.strip().lower()
+    if low in ("", "none"):
+        return None
+    if low not in COMPRESSIONS:
+        raise ValueError(f"expected none, fp16 or bf16, got {text!r}")
+    return low
+
+
+def _parse_directory(text: str) -> Optional[str]:
+    return text.strip() or None
+
+
 def _parse_choice(*choices: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         low = text.strip().lower()
@@ -77,6 +92,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "straggler_window": int,
     "straggler_interval": _parse_seconds,
     "fault_tolerance": _parse_bool,
+    "compression": _parse_compression,
+    "timeline": _parse_directory,
 }
 
 
@@ -139,13 +156,13 @@ class Options:
             shared-memory communicator, then across nodes between node
             leaders, then a broadcast within the node. ``True`` always,
             ``False`` never (one flat allreduce), ``None`` (the default,
-            ``auto``): when the ranks span more than one node and some node
-            holds more than one of them, for reductions of at least 256 KiB
-            (a whole piece, should ``piece_bytes`` be smaller), where it
-            beat the flat allreduce across nodes (see
-            ``docs/benchmarks.md``); on one node never. Every input of
-            the choice is the same on every rank (``MPIDIST_HIERARCHICAL``:
-            ``auto``, or a boolean).
+            ``auto``): under Open MPI, when the ranks span more than one
+            node and some node holds more than one of them, for each call of
+            2 MiB or more (a whole piece, should ``piece_bytes`` be
+            smaller), where it beat Open MPI's flat allreduce over 1 Gbit/s
+            links (see ``docs/benchmarks.md``); otherwise never. Every input
+            of the choice is the same on every rank
+            (``MPIDIST_HIERARCHICAL``: ``auto``, or a boolean).
         node_size: ranks per node for ``hierarchical``: 0 finds the
             shared-memory nodes; ``k`` groups every ``k`` consecutive ranks,
             to try the algorithm on one machine (``MPIDIST_NODE_SIZE``).
@@ -158,7 +175,7 @@ class Options:
             persistently at least this fraction above the mean of the other
             ranks': 0.2 is 20% (``MPIDIST_STRAGGLER_THRESHOLD``). Measured
             whenever the ranks agree on their collectives; see
-            ``docs/finding-slow-ranks-straggler.md``.
+            ``docs/finding-slow-ranks.md``.
         straggler_window: how many of the latest collectives the straggler
             report judges, in stretches of 16: a rank is named when it was that
             much slower in at least half the window's stretches
@@ -171,6 +188,25 @@ class Options:
             library can (Open MPI started with ``--with-ft ulfm``: see
             ``docs/fault-tolerance.md``). Off, a dead rank ends the job (Open
             MPI) or costs the survivors a clear error (``MPIDIST_FAULT_TOLERANCE``).
+        compression: ``"fp16"`` or ``"bf16"``: blocking SUM and MEAN
+            reductions of float32 cross the wire in 16 bits (half the bytes),
+            summed in float32 and rounded once more (see
+            ``docs/compression.md`` for the error bound); other dtypes and
+            ops, nonblocking reductions, ``reduce_scatter`` and values
+            carried inside the agreement record stay exact. ``None`` (or ``"none"``, the
+            default): every reduction is exact (``MPIDIST_COMPRESSION``).
+            A per-call ``compression=`` overrides it. Across nodes (some
+            node holding more than one rank) compressed reductions take the
+            two-level algorithm under any MPI, unless ``hierarchical=False``.
+        timeline: a directory into which every rank streams a Chrome-trace
+            (Perfetto) file of its collectives, with each one's wait for
+            the other ranks apart from its transfer, its steps of
+            ``strategy.run`` and its input fetches (``timeline-rank<R>.json``);
+            ``python -m mpidist timeline DIR`` merges them, aligns the ranks'
+            clocks and names the rank the others waited for (see
+            ``docs/finding-slow-ranks.md``). ``None`` (the default) records
+            nothing and costs nothing. May differ between ranks
+            (``MPIDIST_TIMELINE``).
     """
 
     timeout: Optional[float] = 600.0
@@ -190,6 +226,8 @@ class Options:
     straggler_window: int = 128
     straggler_interval: Optional[float] = 60.0
     fault_tolerance: bool = False
+    compression: Optional[str] = None
+    timeline: Optional[str] = None
     pipeline_bytes: dataclasses.InitVar[Optional[int]] = None  # the former name of piece_bytes
 
     def __post_init__(self, pipeline_bytes: Optional[int]) -> None:
@@ -221,10 +259,17 @@ class Options:
             raise ValueError(
                 f"options fusion_bytes and node_size must be >= 0, got {self.fusion_bytes!r} and {self.node_size!r}"
             )
+        if self.timeline == "":
+            raise ValueError("option timeline must name a directory (or be None for no timeline), got ''")
         if self.piece_bytes < 1024:
             raise ValueError(f"option piece_bytes must be at least 1024, got {self.piece_bytes!r}")
         for name in ("device", "cuda_aware"):
             _PARSERS[name](str(getattr(self, name)))
+        if self.compression is not None:
+            try:
+                object.__setattr__(self, "compression", _parse_compression(self.compression))
+            except ValueError as exc:
+                raise ValueError(f"option compression: {exc}") from None
 
     @classmethod
     def resolve(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> Options:
@@ -245,6 +290,8 @@ class Options:
                 # keywords are typed values; only the two text-valued options take (and normalise) text
                 text = isinstance(value, str) and name in ("device", "cuda_aware")
                 values[name] = _PARSERS[name](value) if text else value
+                if name == "timeline" and isinstance(value, os.PathLike):  # a pathlib.Path, say
+                    values[name] = os.fspath(value)
                 continue
             var = _env_variable(env, name)
             if var is not None:
@@ -274,6 +321,8 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "straggler_window": ((int,), "an integer number of collectives"),
     "straggler_interval": ((int, float, type(None)), "a number of seconds or None"),
     "fault_tolerance": ((bool,), "True or False"),
+    "compression": ((str, type(None)), '"fp16", "bf16", "none" or None'),
+    "timeline": ((str, type(None)), "a directory (str or path) or None"),
 }
 
 # MPIDIST_* variables of the project's own scripts and tests, which are not options.

@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from types import TracebackType
-from typing import Any, NoReturn, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 from mpi4py import MPI
 
@@ -37,12 +37,18 @@ from mpidist._comm.deadline import deadline_errors
 from mpidist._comm.survival import readiness
 from mpidist._errors import CutOffError, on_rank
 
-__all__ = ["install_abort_on_error", "install_exit_hook"]
+__all__ = ["call_before_abort", "install_abort_on_error", "install_exit_hook"]
 
 _FORWARD_PAUSE = 0.2  # seconds between writing the traceback and MPI_Abort (see _abort)
 _STAGGER = 0.3  # with ULFM, seconds more per rank (up to rank 10) before MPI_Abort (see _abort)
 
 _state: dict[str, Any] = {"abort": False, "exit_code": None, "hooked": False}
+_before_abort: list[Callable[[], None]] = []  # what saves this rank's files before it aborts the job
+
+
+def call_before_abort(fn: Callable[[], None]) -> None:
+    """Local: call ``fn`` when this rank aborts the job (before ``MPI_Abort``), to complete a file it writes."""
+    _before_abort.append(fn)
 
 
 def _keep_default() -> bool:
@@ -59,6 +65,11 @@ def _abort(what: str, lines: list[str], code: int) -> None:
     )
     sys.stderr.write("".join(f"[rank {world.rank}] {line}\n" for line in [banner, *lines]))
     sys.stderr.flush()
+    for fn in _before_abort:
+        try:
+            fn()
+        except Exception:  # nothing may stop the abort: the other ranks wait for it
+            pass
     # MPICH's launcher may tear the job down as soon as it hears of the abort, before it forwarded what
     # this rank just wrote (seen: a job that ended with status 1 and no traceback); give it a moment
     time.sleep(_FORWARD_PAUSE)

@@ -153,10 +153,11 @@ class Call:
     ``GATHER``, whose first dimension may differ. ``extra`` holds further
     arguments every rank must pass alike (``reduce_scatter`` counts, a fused
     layout, the update a fused reduction applies, a creation's options). ``dtype`` is compared as a dtype,
-    not as the char that spells it.
+    not as the char that spells it. ``wire`` is the encoding of a compressed reduction
+    (:mod:`~mpidist._comm.compression`; ``None``: exact), part of the call when given.
     """
 
-    __slots__ = ("kind", "op", "dtype", "shape", "name", "root", "extra", "key")
+    __slots__ = ("kind", "op", "dtype", "shape", "name", "root", "extra", "wire", "key")
 
     def __init__(
         self,
@@ -167,14 +168,19 @@ class Call:
         shape: tuple = (),
         root: int = 0,
         extra: Optional[tuple] = None,
+        wire: Optional[str] = None,
     ) -> None:
         self.kind, self.op, self.dtype, self.shape = kind, op, _CANONICAL.get(dtype, dtype), shape
-        self.name, self.root, self.extra = name, root, extra
+        self.name, self.root, self.extra, self.wire = name, root, extra, wire
         compared = shape[1:] if kind in _ROWS_MAY_DIFFER else shape
-        self.key = (kind, op, self.dtype, compared, len(shape), name, root, extra)
+        key: tuple = (kind, op, self.dtype, compared, len(shape), name, root, extra)
+        self.key = key if wire is None else (*key, wire)  # exact calls keep their identity
 
     def describe(self) -> str:
-        """E.g. ``allreduce(sum) of 'w' float32[3, 4]``."""
+        """E.g. ``allreduce(sum) of 'w' float32[3, 4]`` (``... compressed to fp16`` for a compressed one)."""
+        return self._described() + ("" if self.wire is None else f" compressed to {self.wire}")
+
+    def _described(self) -> str:
         if self.kind == Kind.CREATE:
             return f"creation of {self.name}"
         if self.kind == Kind.FUSED:
@@ -518,20 +524,22 @@ class Agreement:
         array: Array,
         check_finite: bool = False,
         update: Any = None,
+        wire: Optional[str] = None,
     ) -> Optional[np.ndarray]:
         """Collective: :meth:`agree` on a call of one valid array (the per-collective path, kept short).
 
         ``update`` is the function the caller applies to the reduced values
-        (part of the call: :func:`update_identity`), or ``None``. Returns the
-        carried sums shaped like ``array`` (a view of the record: copy them
-        out before the next collective), or ``None``.
+        (part of the call: :func:`update_identity`), or ``None``; ``wire`` the
+        call's compression (``None``: exact). Returns the carried sums shaped
+        like ``array`` (a view of the record: copy them out before the next
+        collective), or ``None``.
         """
         code = update if update is None else getattr(update, "__code__", update.__class__)
-        key = (kind, name, op, array.dtype.char, array.shape, array.__class__, code)
+        key = (kind, name, op, array.dtype.char, array.shape, array.__class__, code, wire)
         plan = self._plans.get(key)
         if plan is None:
             extra = None if update is None else (update_identity(update),)
-            call = Call(kind, name, op, array.dtype.char, tuple(array.shape), extra=extra)
+            call = Call(kind, name, op, array.dtype.char, tuple(array.shape), extra=extra, wire=wire)
             carry = array.size if kind is Kind.ALLREDUCE and carried(array, op) else 0
             plan = self.plan(key, call, carry, tuple(array.shape))
         return self.agree_planned(plan, array, check_finite)

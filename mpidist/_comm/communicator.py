@@ -34,6 +34,7 @@ from mpidist._comm.abort import install_exit_hook
 from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, as_array, is_device_array
+from mpidist._comm.compression import Compression, applies as compressed, wire_error, wire_of
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.exchange import Exchange, mpi_datatype, offsets, send_counts
 from mpidist._comm.fusion import Fusion, UpdateFn
@@ -43,6 +44,7 @@ from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.survival import Progress, failed_ranks, progress, readiness, release, revoke, shrink
+from mpidist._comm.timeline import NONBLOCKING, TimedAgreement, TimedTransport, Timeline, Track, open_timeline
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
@@ -81,6 +83,9 @@ class Communicator:
         backend: where arrays live (:class:`~mpidist._comm.backend.Backend`); default:
             chosen by ``options.device``, binding this rank's GPU by its
             node-local rank.
+
+    ``timeline`` is the :class:`~mpidist._comm.timeline.Timeline` this rank
+    records the collectives into (``options.timeline``), or ``None``.
     """
 
     def __init__(
@@ -107,15 +112,28 @@ class Communicator:
                 error, options = exc, Options()
         self.options = options
         self._comm = duplicate(base, options.timeout)
+        # The timeline this communicator records into (options.timeline), or None: then nothing is recorded.
+        self.timeline: Optional[Timeline] = None
+        track: Optional[Track] = None
+        if options.timeline is not None:
+            try:
+                self.timeline = open_timeline(options.timeline)
+                track = self.timeline.track(self._comm.rank, self._comm.size)
+            except OSError as exc:  # a directory this rank cannot write: raised on every rank, in the agreement
+                error = error or exc
         try:
-            self._transport = Transport(self._comm, self.options)
+            self._transport = (
+                Transport(self._comm, self.options)
+                if track is None
+                else TimedTransport(self._comm, self.options, track)
+            )
             tune_at_run_time(self._transport)
             self._topology = Topology(self._comm)
         except MPI.Exception as exc:
             raise CommError(
                 on_rank(base.rank, f"could not set up mpidist's communicator: {exc.Get_error_string()}")
             ) from exc
-        self._agreement = Agreement(self._transport)
+        self._agreement = Agreement(self._transport) if track is None else TimedAgreement(self._transport, track)
         self.local_rank: int = self._topology.node.rank
         if error is None and backend is None:
             try:
@@ -135,6 +153,9 @@ class Communicator:
         self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self.cuda_aware = self.cuda_awareness.enabled
         self._build()
+        self._track = track
+        if track is not None:
+            self._record_nonblocking(track)
         self.last_failure: Optional[Failure] = None
         self.cut_off: Optional[CommError] = None  # this rank's side of a failure stopped (CutOffError)
         if options.fault_tolerance:
@@ -146,6 +167,13 @@ class Communicator:
                     on_rank(0, f"fault_tolerance is on, but dead ranks will {why}"), RuntimeWarning, stacklevel=2
                 )
 
+    def _record_nonblocking(self, track: Track) -> None:
+        """Local: the nonblocking collectives, as this object's own attributes, recorded on ``track``."""
+        for method in NONBLOCKING:
+            setattr(
+                self, method, track.record_nonblocking(getattr(Communicator, method).__get__(self), self._transport)
+            )
+
     def _build(self) -> None:
         """Collective: the algorithms and the collectives' helpers over the private communicator (again after a
         failure, over the survivors')."""
@@ -156,8 +184,15 @@ class Communicator:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._transport.yield_while_waiting = self.local_size > cores and "mpich" in library_version().lower()
         self._widening = Widening(self._transport, self._algorithms, self.backend, self.cuda_aware)
+        self._compression = Compression(self._transport, self._algorithms, self.backend, self.cuda_aware)
         self._fusion = Fusion(
-            self._transport, self._agreement, self._algorithms, self.backend, self.cuda_aware, self._widening
+            self._transport,
+            self._agreement,
+            self._algorithms,
+            self.backend,
+            self.cuda_aware,
+            self._widening,
+            self._compression,
         )
         self._exchange = Exchange(self._transport, self.backend, self.cuda_aware)
         self._choose = self._algorithms.choose
@@ -273,7 +308,14 @@ class Communicator:
         self._comm = comm
         self._topology = Topology(comm)
         self.local_rank = self._topology.node.rank
-        self._agreement = Agreement(self._transport)
+        track = self._track
+        if track is not None and self.timeline is not None:  # the survivors' communicator: a track of its own
+            track.finished = True
+            track = self._track = self.timeline.track(comm.rank, comm.size)
+            assert isinstance(self._transport, TimedTransport)
+            self._transport.track = track
+            self._record_nonblocking(track)
+        self._agreement = Agreement(self._transport) if track is None else TimedAgreement(self._transport, track)
         self._agreement.stop_requested = stop
         self._build()
 
@@ -398,6 +440,7 @@ class Communicator:
         out: Optional[Array] = None,
         inplace: bool = False,
         name: str = "array",
+        compression: Optional[str] = None,
     ) -> Any:
         """Collective: reduce ``array`` elementwise across all ranks.
 
@@ -410,8 +453,13 @@ class Communicator:
         larger than ``options.piece_bytes`` are reduced in pieces of that
         size, in place, without a full-size temporary; with
         ``options.hierarchical``, each piece by the two-level algorithm.
+
+        ``compression`` (``"fp16"``, ``"bf16"``; ``"none"``: exact; ``None``:
+        ``options.compression``) sends a float32 ``SUM`` or ``MEAN`` over the
+        wire in 16 bits (:mod:`~mpidist._comm.compression`); asked for here, on
+        another dtype or op it raises ``ValueError``. Every rank passes the same.
         """
-        return self._allreduce(array, op, out, inplace, name, blocking=True)
+        return self._allreduce(array, op, out, inplace, name, blocking=True, compression=compression)
 
     def iallreduce(
         self,
@@ -621,6 +669,7 @@ class Communicator:
         names: Sequence[str],
         in_place: bool = False,
         error: Optional[Exception] = None,
+        compression: Optional[str] = None,
     ) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
@@ -634,9 +683,9 @@ class Communicator:
         the same order; the ranks agree on the whole list with one record.
         ``error`` is this rank's own problem with its arguments, found by the
         caller: raised here once every rank has seen it (the others raise a
-        mismatch naming this rank).
+        mismatch naming this rank). ``compression`` as in :meth:`allreduce`.
         """
-        self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error)
+        self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error, compression)
 
     def allreduce_many(
         self,
@@ -645,6 +694,7 @@ class Communicator:
         names: Optional[Sequence[str]] = None,
         *,
         out: Optional[Sequence[Array]] = None,
+        compression: Optional[str] = None,
     ) -> list[Any]:
         """Collective: every array reduced by ``op``, as new arrays (or into ``out``); the inputs are left as they are.
 
@@ -653,12 +703,13 @@ class Communicator:
         shape and dtype) is the form that allocates nothing in steady state:
         arrays larger than ``options.fusion_bytes`` are reduced straight into
         their ``out`` array; ``out=arrays`` reduces the inputs in place.
+        ``compression`` as in :meth:`allreduce`, for every array of the list.
         """
         names = _names(names, len(arrays))
         arrays = self._as_arrays(arrays, names, "allreduce_many")
         if out is not None:
             out = self._as_arrays(out, [f"out[{i}]" for i in range(len(out))], "allreduce_many")
-        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), names, out)
+        return self._fusion.allreduce_many(arrays, ReduceOp.of(op), names, out, compression)
 
     def iallreduce_many(
         self,
@@ -737,7 +788,16 @@ class Communicator:
         except Exception as exc:  # whatever the other library raises: this rank's error, agreed
             self.fail(exc, what)
 
-    def _allreduce(self, array: Array, op: Any, out: Optional[Array], inplace: bool, name: str, blocking: bool) -> Any:
+    def _allreduce(
+        self,
+        array: Array,
+        op: Any,
+        out: Optional[Array],
+        inplace: bool,
+        name: str,
+        blocking: bool,
+        compression: Optional[str] = None,
+    ) -> Any:
         # op: a ReduceOp or its name (Any: the per-collective path converts it in place, telling the
         # two apart by op.__class__, which the type checker does not narrow on)
         error = None
@@ -752,6 +812,12 @@ class Communicator:
                 if inplace
                 else validate_out(array, out, f"allreduce of {name!r}: out=", "the input", self.rank)
             )
+        wire = self.options.compression
+        if compression is not None:  # asked for on this call: checked here, and agreed as part of the call
+            wire, wrong = wire_of(compression, wire, self.rank)
+            error = error or wrong or wire_error(wire, [array], [op], [name], self.rank, f"allreduce of {name!r}")
+        if wire is not None and (error is not None or not blocking or not compressed(wire, op, array.dtype)):
+            wire = None  # the option leaves other dtypes and ops, and nonblocking reductions, exact
         if error is None:
             target = array if inplace else out if out is not None else array_module(array).empty_like(array)
         agreement = self._agreement
@@ -759,7 +825,7 @@ class Communicator:
             self._transport.begin()
             if error is not None:
                 raise error
-            if blocking and self._one_call(target) and not self._checked(op, array):
+            if blocking and wire is None and self._one_call(target) and not self._checked(op, array):
                 # the common small host case: one piece, nothing to synchronise or stage (the per-update latency path)
                 if target is not array:
                     target[...] = array  # reduced in place: the output form never changes the MPI calls
@@ -767,15 +833,15 @@ class Communicator:
                 if op is ReduceOp.MEAN:
                     divide_in_place(target, self.size)
                 return target
-            result = self._reduce_data(array, target, op, name, blocking)
+            result = self._reduce_data(array, target, op, name, blocking, wire=wire)
             return result if blocking else Handle(self._transport, None, result, keep=(array, out))
         if blocking:
             if error is None:
-                carried = agreement.agree_array(Kind.ALLREDUCE, name, op, array, self.options.check_finite)
+                carried = agreement.agree_array(Kind.ALLREDUCE, name, op, array, self.options.check_finite, wire=wire)
             else:
                 carried = agreement.agree(Call(Kind.ALLREDUCE, name), error)
             if carried is None:
-                return self._reduce_data(array, target, op, name, blocking)
+                return self._reduce_data(array, target, op, name, blocking, wire=wire)
             if op is ReduceOp.SUM and target.dtype.char == "d":  # _store's common case, one call less
                 target[...] = carried
             else:
@@ -815,11 +881,20 @@ class Communicator:
             target[...] = carried
 
     def _reduce_data(
-        self, array: Array, target: Array, op: ReduceOp, name: str, blocking: bool, *, check: bool = True
+        self,
+        array: Array,
+        target: Array,
+        op: ReduceOp,
+        name: str,
+        blocking: bool,
+        *,
+        check: bool = True,
+        wire: Optional[str] = None,
     ) -> Any:
         """Collective, once agreed: ``target`` <- the reduction of every rank's ``array``, in pieces.
 
-        Integer sums are checked with ``options.check_overflow`` (unless ``check`` is false).
+        Integer sums are checked with ``options.check_overflow`` (unless ``check`` is false); ``wire``: a
+        blocking float32 SUM or MEAN compressed so (:mod:`~mpidist._comm.compression`).
         """
         if check and self._checked(op, array):  # reduce the 64-bit form, then write only sums that fit
             target[...] = self._checked_sum(array, name).reshape(target.shape)
@@ -827,6 +902,9 @@ class Communicator:
         if target is not array:  # reduced in place: the output form never changes the MPI calls
             target[...] = array  # before to_mpi, which synchronises a device array's stream
         what = f"allreduce of {name!r}"
+        if wire is not None:
+            self._compression.reduce(what, target.reshape(-1), op, wire)
+            return target
         if array.dtype.char in HALF_FLOATS:  # 16-bit floats: in float32 pieces, rounded once
             if blocking:
                 self._widening.reduce(what, target.reshape(-1), op)
@@ -857,7 +935,15 @@ class Communicator:
         return finish()
 
     def _reduce_data_whole(
-        self, array: Array, target: Array, op: ReduceOp, name: str, blocking: bool, *, check: bool = True
+        self,
+        array: Array,
+        target: Array,
+        op: ReduceOp,
+        name: str,
+        blocking: bool,
+        *,
+        check: bool = True,
+        wire: Optional[str] = None,
     ) -> Any:
         """Collective, with fault tolerance: :meth:`_reduce_data`, blocking ones into a copy written to ``target``
         once every piece arrived.
@@ -867,9 +953,9 @@ class Communicator:
         One more pass over the data (two for an in-place reduction).
         """
         if not blocking:
-            return Communicator._reduce_data(self, array, target, op, name, blocking, check=check)
+            return Communicator._reduce_data(self, array, target, op, name, blocking, check=check, wire=wire)
         scratch = self._fusion.scratch(target, target.size)[: target.size].reshape(target.shape)
-        Communicator._reduce_data(self, array, scratch, op, name, blocking, check=check)
+        Communicator._reduce_data(self, array, scratch, op, name, blocking, check=check, wire=wire)
         target[...] = scratch
         return target
 
@@ -1224,10 +1310,18 @@ def _gather_out_error(array: Any, out: Any, name: str, rank: int) -> Optional[Ex
 
 _SURVIVE_TRIES = 8  # further failures while the survivors rebuild: each one shrinks what is left
 
-# Options that may differ between ranks: where this rank's arrays live, what it does on an error, and how it judges
-# and reports stragglers (the report's record slots are written alike whatever they are).
+# Options that may differ between ranks: where this rank's arrays live, what it does on an error, how it judges
+# and reports stragglers (the report's record slots are written alike whatever they are), and its timeline.
 _LOCAL_OPTIONS = frozenset(
-    {"device", "cuda_aware", "abort_on_error", "straggler_threshold", "straggler_window", "straggler_interval"}
+    {
+        "device",
+        "cuda_aware",
+        "abort_on_error",
+        "straggler_threshold",
+        "straggler_window",
+        "straggler_interval",
+        "timeline",
+    }
 )
 
 

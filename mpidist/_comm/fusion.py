@@ -37,6 +37,7 @@ from mpidist._comm import overflow
 from mpidist._comm.agreement import Agreement, Call, Kind, update_identity, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, data_pointer, is_device_array
+from mpidist._comm.compression import Compression, applies as compressed, wire_error, wire_of
 from mpidist._comm.flat_store import joinable, span
 from mpidist._comm.half import Widening
 from mpidist._comm.handle import Handle
@@ -57,7 +58,8 @@ class Fusion:
     """Fused reductions over ``transport``; holds the reusable buckets (one per array module and dtype).
 
     Local construction. Every method is collective over the transport's communicator. 16-bit floats
-    are reduced through float32 by ``widening`` (:mod:`~mpidist._comm.half`).
+    are reduced through float32 by ``widening`` (:mod:`~mpidist._comm.half`); compressed float32
+    reductions by ``compression`` (:mod:`~mpidist._comm.compression`).
     """
 
     def __init__(
@@ -68,9 +70,13 @@ class Fusion:
         backend: Backend,
         cuda_aware: bool,
         widening: Widening,
+        compression: Compression,
     ) -> None:
         self._transport = transport
         self._widening = widening
+        self._compression = compression
+        # the encoding of the blocking reduction in progress (set by reduce_apply; None: exact), which
+        # _transfer applies to each float32 SUM/MEAN buffer it reduces
         self._agreement = agreement
         self._choose = algorithms.choose
         self._backend = backend
@@ -91,6 +97,7 @@ class Fusion:
         names: Sequence[str],
         in_place: bool = False,
         error: Optional[Exception] = None,
+        compression: Optional[str] = None,
     ) -> None:
         """Collective: ``fn(targets[i], reduced sends[i])`` for every ``i``, fused.
 
@@ -104,7 +111,18 @@ class Fusion:
         for large buffers); without, they are left as they are. ``error`` is
         this rank's own problem with its arguments (raised here once every rank
         has seen it; the others raise a mismatch naming this rank).
+        ``compression``: see :meth:`~mpidist.Communicator.allreduce`; asked for
+        here, every array must be a float32 SUM or MEAN.
         """
+        wire = self._options.compression
+        if compression is not None:  # asked for on this call: checked here, and agreed as part of the call
+            wire, wrong = wire_of(compression, wire, self._transport.rank)
+            error = (
+                error
+                or wrong
+                or self._error(sends, ops, names)
+                or wire_error(wire, sends, ops, names, self._transport.rank, _what(sends, ops, names))
+            )
         if self._options.check_overflow and any(overflow.applies(op, a.dtype) for a, op in zip(sends, ops)):
             what = _what(sends, ops, names)
             self._agree(
@@ -113,7 +131,8 @@ class Fusion:
                 names,
                 fn,
                 error,
-                lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried),
+                lambda carried: self._checked_apply(what, sends, targets, ops, fn, names, in_place, carried, wire),
+                wire,
             )
             return
         if len(sends) == 1 and error is None:
@@ -127,12 +146,15 @@ class Fusion:
                         send,
                         self._options.check_finite and op is not None,
                         None if fn in _OUTPUTS else fn,
+                        wire if wire is not None and compressed(wire, op, send.dtype) else None,
                     )
                 else:  # every check off: straight to the data
                     self._transport.begin()
                     carried = None
                 if carried is None:
-                    self._stream(_what(sends, ops, names), send.reshape(-1), targets[0].reshape(-1), op, fn, in_place)
+                    self._stream(
+                        _what(sends, ops, names), send.reshape(-1), targets[0].reshape(-1), op, fn, in_place, wire
+                    )
                     return
                 if op is ReduceOp.MEAN:
                     carried = carried / self._transport.size
@@ -150,9 +172,9 @@ class Fusion:
                 if in_place:
                     sends[0].reshape(-1)[...] = reduced
             else:
-                self._reduce_apply(what, sends, targets, ops, fn, in_place)
+                self._reduce_apply(what, sends, targets, ops, fn, in_place, wire)
 
-        self._agree(sends, ops, names, fn, error, then)
+        self._agree(sends, ops, names, fn, error, then, wire)
 
     def _reduce_apply_whole(
         self,
@@ -163,6 +185,7 @@ class Fusion:
         names: Sequence[str],
         in_place: bool = False,
         error: Optional[Exception] = None,
+        compression: Optional[str] = None,
     ) -> None:
         """Collective, with fault tolerance: :meth:`reduce_apply`, whose ``fn`` runs only once every piece arrived.
 
@@ -174,10 +197,10 @@ class Fusion:
         piece is one MPI call before ``fn``: it needs no copy.
         """
         if len(sends) == 1 and sends[0].nbytes <= self._options.piece_bytes:
-            Fusion.reduce_apply(self, sends, targets, ops, fn, names, in_place, error)
+            Fusion.reduce_apply(self, sends, targets, ops, fn, names, in_place, error, compression)
             return
         later = _Later(fn, self.scratch(sends[0], sum(a.size for a in sends)) if sends else None)
-        Fusion.reduce_apply(self, sends, targets, ops, later, names, in_place, error)
+        Fusion.reduce_apply(self, sends, targets, ops, later, names, in_place, error, compression)
         later.apply()
 
     def _reduce_apply(
@@ -188,9 +211,10 @@ class Fusion:
         ops: Sequence[Op],
         fn: UpdateFn,
         in_place: bool,
+        wire: Optional[str],
     ) -> None:
         if len(sends) == 1:  # the per-update latency path
-            self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place)
+            self._stream(what, sends[0].reshape(-1), targets[0].reshape(-1), ops[0], fn, in_place, wire)
             return
         limit = min(self._options.fusion_bytes, self._options.piece_bytes)
         for op, members in self._groups(sends, ops):
@@ -198,14 +222,14 @@ class Fusion:
             used = 0
             for send, target in _spans([sends[i] for i in members], [targets[i] for i in members]):
                 if send.nbytes > limit:  # large: reduce it where it is
-                    self._stream(what, send, target, op, fn, in_place)
+                    self._stream(what, send, target, op, fn, in_place, wire)
                     continue
                 if used + send.nbytes > self._options.piece_bytes:
-                    self._flush(what, bucket, op, fn, in_place)
+                    self._flush(what, bucket, op, fn, in_place, wire)
                     bucket, used = [], 0
                 bucket.append((send, target))
                 used += send.nbytes
-            self._flush(what, bucket, op, fn, in_place)
+            self._flush(what, bucket, op, fn, in_place, wire)
 
     def _checked_apply(
         self,
@@ -217,6 +241,7 @@ class Fusion:
         names: Sequence[str],
         in_place: bool,
         carried: Optional[np.ndarray],
+        wire: Optional[str],
     ) -> None:
         """:meth:`_reduce_apply` with integer sums checked: every checked sum first, then any write.
 
@@ -232,7 +257,7 @@ class Fusion:
             else:
                 wide = overflow.widen(sends[i])
                 for lo, hi in self._choose(wide.nbytes).pieces(wide):
-                    self._transfer(what, None, wide[lo:hi], ReduceOp.SUM)
+                    self._transfer(what, None, wide[lo:hi], ReduceOp.SUM, None)  # exact: integers
                 sums[i] = overflow.narrow(wide, sends[i].dtype, names[i], rank)
         for i, reduced in sums.items():
             fn(targets[i].reshape(-1), reduced)
@@ -241,10 +266,12 @@ class Fusion:
         rest = [i for i in range(len(sends)) if i not in sums]
         if rest:
             self._reduce_apply(
-                what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest], fn, in_place
+                what, [sends[i] for i in rest], [targets[i] for i in rest], [ops[i] for i in rest], fn, in_place, wire
             )
 
-    def _stream(self, what: str, send: Array, target: Array, op: Op, fn: UpdateFn, in_place: bool) -> None:
+    def _stream(
+        self, what: str, send: Array, target: Array, op: Op, fn: UpdateFn, in_place: bool, wire: Optional[str]
+    ) -> None:
         """Reduce the flat ``send`` piece by piece (into the bucket, or where it is), applying ``fn`` after each.
 
         :func:`_into` (``allreduce_many`` with ``out=``) reduces straight into the target: no scratch copy.
@@ -254,37 +281,39 @@ class Fusion:
         if fn is _into and op is not None and not in_place:
             alias = data_pointer(send) == data_pointer(target)  # out= is the input itself: reduce it in place
             for lo in range(0, send.size, step):
-                self._transfer(what, None if alias else send[lo : lo + step], target[lo : lo + step], op)
+                self._transfer(what, None if alias else send[lo : lo + step], target[lo : lo + step], op, wire)
             return
         if send.size <= step:  # one piece: the common case of small arrays, kept short
             fn(
                 target,
-                self._transfer(what, None, send, op)
+                self._transfer(what, None, send, op, wire)
                 if in_place
-                else self._transfer(what, send, bucket[: send.size], op),
+                else self._transfer(what, send, bucket[: send.size], op, wire),
             )
             return
         for lo in range(0, send.size, step):
             hi = min(lo + step, send.size)
             fn(
                 target[lo:hi],
-                self._transfer(what, None, send[lo:hi], op)
+                self._transfer(what, None, send[lo:hi], op, wire)
                 if in_place
-                else self._transfer(what, send[lo:hi], bucket[: hi - lo], op),
+                else self._transfer(what, send[lo:hi], bucket[: hi - lo], op, wire),
             )
 
-    def _flush(self, what: str, spans: list[tuple[Array, Array]], op: Op, fn: UpdateFn, in_place: bool) -> None:
+    def _flush(
+        self, what: str, spans: list[tuple[Array, Array]], op: Op, fn: UpdateFn, in_place: bool, wire: Optional[str]
+    ) -> None:
         """Pack ``spans`` (flat sends and targets, together at most one bucket) and reduce them with one call."""
         if len(spans) <= 1:
             for send, target in spans:
-                self._stream(what, send, target, op, fn, in_place)
+                self._stream(what, send, target, op, fn, in_place, wire)
             return
         bucket = self._bucket(spans[0][0])
         offset = 0
         for send, _ in spans:
             bucket[offset : offset + send.size] = send
             offset += send.size
-        reduced = self._transfer(what, None, bucket[:offset], op)
+        reduced = self._transfer(what, None, bucket[:offset], op, wire)
         offset = 0
         for send, target in spans:
             fn(target, reduced[offset : offset + send.size])
@@ -294,7 +323,12 @@ class Fusion:
 
     # -- reductions that return new arrays -------------------------------------------------
     def allreduce_many(
-        self, arrays: Sequence[Array], op: ReduceOp, names: Sequence[str], out: Optional[Sequence[Array]] = None
+        self,
+        arrays: Sequence[Array],
+        op: ReduceOp,
+        names: Sequence[str],
+        out: Optional[Sequence[Array]] = None,
+        compression: Optional[str] = None,
     ) -> list[Any]:
         """Collective: every array reduced by ``op``, into ``out`` or new arrays; the inputs are left as they are.
 
@@ -304,7 +338,7 @@ class Fusion:
         recycle arrays of ordinary sizes, while a fresh buffer of the whole
         size would be faulted in page by page on every call.) ``out``, one
         array per input of its shape and dtype (a device array for a device
-        input), allocates nothing.
+        input), allocates nothing. ``compression`` as in :meth:`reduce_apply`.
         """
         error = None
         if out is None:
@@ -312,7 +346,15 @@ class Fusion:
         else:
             results = list(out)
             error = _out_error(arrays, results, self._transport.rank)
-        self.reduce_apply(arrays, results, [op] * len(arrays), _assign if out is None else _into, names, error=error)
+        self.reduce_apply(
+            arrays,
+            results,
+            [op] * len(arrays),
+            _assign if out is None else _into,
+            names,
+            error=error,
+            compression=compression,
+        )
         return results
 
     def iallreduce_many(
@@ -391,21 +433,39 @@ class Fusion:
         return None
 
     @staticmethod
-    def _call(arrays: Sequence[Array], ops: Sequence[Op], names: Sequence[str], fn: Optional[UpdateFn]) -> Call:
-        """What the ranks agree on: one array's own call, or the whole list's layout and names; and the update.
+    def _call(
+        arrays: Sequence[Array],
+        ops: Sequence[Op],
+        names: Sequence[str],
+        fn: Optional[UpdateFn],
+        wire: Optional[str] = None,
+    ) -> Call:
+        """What the ranks agree on: one array's own call, or the whole list's layout and names; the update;
+        and the compression ``wire``, where it applies to some array of the list.
 
         The output form (new arrays, ``out=``: :data:`_OUTPUTS`) is not part of it.
         """
         update = None if fn in _OUTPUTS else update_identity(fn)
+        if wire is not None and not any(compressed(wire, op, a.dtype) for a, op in zip(arrays, ops)):
+            wire = None
         if len(arrays) == 1:
             a = arrays[0]
             kind = Kind.BROADCAST if ops[0] is None else Kind.ALLREDUCE
             return Call(
-                kind, names[0], ops[0], a.dtype.char, tuple(a.shape), extra=None if update is None else (update,)
+                kind,
+                names[0],
+                ops[0],
+                a.dtype.char,
+                tuple(a.shape),
+                extra=None if update is None else (update,),
+                wire=wire,
             )
         specs = tuple((None if op is None else op.value, a.dtype.str, tuple(a.shape)) for a, op in zip(arrays, ops))
         return Call(
-            Kind.FUSED, _what(arrays, ops, names)[len("fused reduction of ") :], extra=(specs, tuple(names), update)
+            Kind.FUSED,
+            _what(arrays, ops, names)[len("fused reduction of ") :],
+            extra=(specs, tuple(names), update),
+            wire=wire,
         )
 
     def _agree(
@@ -416,8 +476,10 @@ class Fusion:
         fn: Optional[UpdateFn],
         error: Optional[Exception],
         then: Callable[[Optional[np.ndarray]], None],
+        wire: Optional[str],
     ) -> None:
-        """Collective: agree on the list (with this rank's ``error``, if any), then run ``then``."""
+        """Collective: agree on the list (with this rank's ``error``, if any) and its compression ``wire``, then
+        run ``then``."""
         error = error or self._error(arrays, ops, names)
         if not self._agreement.enabled:
             self._transport.begin()
@@ -425,7 +487,9 @@ class Fusion:
                 raise error
             then(None)
             return
-        call = self._call(arrays, ops, names, fn) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
+        call = (
+            self._call(arrays, ops, names, fn, wire) if error is None else Call(Kind.FUSED, _what(arrays, ops, names))
+        )
         data = arrays[0] if len(arrays) == 1 else [a for a, op in zip(arrays, ops) if op is not None]
         self._agreement.start(
             call, error, data, self._options.check_finite and any(op is not None for op in ops), then
@@ -465,8 +529,10 @@ class Fusion:
             self._buckets[key] = bucket
         return bucket
 
-    def _transfer(self, what: str, send: Optional[Array], buf: Array, op: Op) -> Array:
+    def _transfer(self, what: str, send: Optional[Array], buf: Array, op: Op, wire: Optional[str]) -> Array:
         """One MPI call: the reduction of every rank's ``send`` (``buf`` if ``None``); returns where it is.
+
+        ``wire``: the call's compression, for the float32 SUM and MEAN it applies to.
 
         The result is in ``buf``, except for ``op`` ``None`` on rank 0, which
         keeps its own ``send``.
@@ -481,6 +547,9 @@ class Fusion:
             return source
         if send is not None:  # reduced in place: the output form never changes the MPI calls
             buf[...] = send  # before to_mpi, which synchronises a device array's stream
+        if wire is not None and compressed(wire, op, buf.dtype):  # 16 bits on the wire (MEAN included)
+            self._compression.reduce(what, buf, op, wire)
+            return buf
         if buf.dtype.char in HALF_FLOATS:  # through float32, rounded once (MEAN included)
             self._widening.reduce(what, buf, op)
             return buf

@@ -193,7 +193,14 @@ class ReplicaContext:
         """
         return self.strategy.extended.merge_call(merge_fn, tuple(args), dict(kwargs or {}))
 
-    def all_reduce(self, reduce_op: Union[ReduceOp, VariableAggregation, str], value: Any, *, out: Any = None) -> Any:
+    def all_reduce(
+        self,
+        reduce_op: Union[ReduceOp, VariableAggregation, str],
+        value: Any,
+        *,
+        out: Any = None,
+        compression: Optional[str] = None,
+    ) -> Any:
         """Collective: reduce a nest of arrays across replicas; every replica gets the result.
 
         ``reduce_op`` is a ``ReduceOp``, a ``VariableAggregation`` or a name
@@ -201,9 +208,10 @@ class ReplicaContext:
         reduced together; the result has the nest's structure with plain
         arrays, identical on every rank. A distributed value contributes
         this rank's component. ``out`` (a nest of arrays like ``value``)
-        receives the result without allocating, as in ``strategy.reduce``.
+        receives the result without allocating, and ``compression`` sends
+        float32 values over the wire in 16 bits, as in ``strategy.reduce``.
         """
-        return self.strategy.extended.reduce(reduce_op, value, out=out)
+        return self.strategy.extended.reduce(reduce_op, value, out=out, compression=compression)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
         """Collective: every replica's ``value`` (a nest of arrays) concatenated along ``axis``, in replica order.

@@ -140,7 +140,14 @@ class StrategyExtended:
         except ValueError as exc:
             raise ValueError(on_rank(self._comm.rank, str(exc))) from None
 
-    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None, out: Any = None) -> Any:
+    def reduce(
+        self,
+        reduce_op: AnyReduceOp,
+        value: Any,
+        axis: Optional[int] = None,
+        out: Any = None,
+        compression: Optional[str] = None,
+    ) -> Any:
         """Collective: ``value`` (a nest) reduced across replicas; see :meth:`MPIStrategy.reduce`.
 
         Every argument is checked before any collective; a problem on one rank
@@ -149,7 +156,8 @@ class StrategyExtended:
         others as a mismatch naming it. Each leaf's name carries its path in
         the nest and the axis, so ranks whose nests differ in structure or keys,
         or whose axes differ, disagree instead of pairing off. ``out=`` changes
-        where the results go, never the call.
+        where the results go, never the call. ``compression``: see
+        :meth:`~mpidist.Communicator.allreduce`.
         """
         rank = self._comm.rank
         try:
@@ -167,6 +175,10 @@ class StrategyExtended:
             outs = None if out is None else flatten(out)
             if outs is not None and (op is None or axis is not None):
                 raise ValueError(on_rank(rank, "out= takes a SUM/MEAN/MIN/MAX/PROD reduction without axis"))
+            if op is None and compression is not None:
+                raise ValueError(
+                    on_rank(rank, f"compression={compression!r} applies to SUM and MEAN, not ONLY_FIRST_REPLICA")
+                )
             if outs is not None and len(outs) != len(leaves):
                 raise ValueError(on_rank(rank, f"out= holds {len(outs)} arrays for the {len(leaves)} values reduced"))
             if op is None:
@@ -189,13 +201,20 @@ class StrategyExtended:
             )
         if axis is None and len(arrays) == 1:  # the common case: one array, one agreement record
             return pack_sequence_as(
-                value, [self._comm.allreduce(arrays[0], op, name=names[0], out=None if outs is None else outs[0])]
+                value,
+                [
+                    self._comm.allreduce(
+                        arrays[0], op, name=names[0], out=None if outs is None else outs[0], compression=compression
+                    )
+                ],
             )
         if axis is None:  # all leaves together: few MPI calls, one agreement record
-            return pack_sequence_as(value, self._comm.allreduce_many(arrays, op, names, out=outs))
+            return pack_sequence_as(
+                value, self._comm.allreduce_many(arrays, op, names, out=outs, compression=compression)
+            )
         results = []
         for (total, count), name in zip(sums, names):
-            total = self._comm.allreduce(total, ReduceOp.SUM, name=name)
+            total = self._comm.allreduce(total, ReduceOp.SUM, name=name, compression=compression)
             if op is ReduceOp.MEAN:
                 total /= int(self._comm.allreduce(count, ReduceOp.SUM, name=f"{name} (count)"))
             results.append(total)
@@ -281,7 +300,12 @@ class StrategyExtended:
         self._comm.broadcast(array, root=0, name=name)
 
     def update_mirrored(
-        self, variables: Sequence[DistributedVariable], values: Sequence[Any], fn: UpdateFn, in_place: bool = False
+        self,
+        variables: Sequence[DistributedVariable],
+        values: Sequence[Any],
+        fn: UpdateFn,
+        in_place: bool = False,
+        compression: Optional[str] = None,
     ) -> None:
         """Collective: ``fn(component, value reduced by the variable's aggregation)`` for each, fused.
 
@@ -290,7 +314,8 @@ class StrategyExtended:
         and a :class:`~mpidist.CollectiveMismatchError` naming this rank on the
         others, in the same agreement step. The variables' names are part of
         what the ranks agree on. Then, when due, the periodic
-        ``check_mirrored`` of ``options.check_mirrored_every``.
+        ``check_mirrored`` of ``options.check_mirrored_every``. ``compression``:
+        see :meth:`~mpidist.Communicator.reduce_apply`.
         """
         error: Optional[Exception] = None
         if len(variables) == 1:  # the per-update path: no lists
@@ -301,7 +326,7 @@ class StrategyExtended:
             except Exception as exc:  # whatever fails, every rank raises in the same call
                 error, value = exc, component  # not sent: the agreement fails first
             self._comm.reduce_apply(
-                (value,), (component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,), in_place, error
+                (value,), (component,), (_AGGREGATION_OPS[v.aggregation],), fn, (v.name,), in_place, error, compression
             )
         else:
             try:
@@ -317,6 +342,7 @@ class StrategyExtended:
                 [v.name for v in variables],
                 in_place,
                 error,
+                compression,
             )
         if self._check_every:
             self._check_mirrored_when_due(variables)

@@ -62,8 +62,12 @@ class MPIStrategy:
             ``piece_bytes``, ``check_finite``, ``abort_on_error`` (default
             on: an uncaught exception on any rank aborts the whole job with a
             rank-tagged traceback), ``check_mirrored_every``, ``fusion_bytes``,
-            ``hierarchical``, ``node_size``, ``flat_variables``. Each defaults to
-            its ``MPIDIST_*`` environment variable. Unknown options raise
+            ``hierarchical``, ``node_size``, ``flat_variables``, ``compression``
+            (``"fp16"``, ``"bf16"``: float32 reductions 16 bits on the wire;
+            default ``None``, exact), ``timeline`` (a directory: every rank
+            records its collectives, steps and input there; ``python -m
+            mpidist timeline DIR`` merges them). Each defaults to its
+            ``MPIDIST_*`` environment variable. Unknown options raise
             ``ValueError``.
     """
 
@@ -91,6 +95,8 @@ class MPIStrategy:
         self._outer: tuple[MPIStrategy, ...] = () if parent is None else (parent, *parent._outer)
         if self.options.abort_on_error:
             install_abort_on_error()
+        if communicator.timeline is not None:  # each step on the timeline, as this object's own attribute
+            setattr(self, "run", communicator.timeline.timed(self.run, "step"))  # noqa: B010
 
     # -- identity (local) ----------------------------------------------------------------
     @property
@@ -234,7 +240,15 @@ class MPIStrategy:
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
 
     # -- cross-replica collectives -----------------------------------------------------------
-    def reduce(self, reduce_op: AnyReduceOp, value: Any, axis: Optional[int] = None, *, out: Any = None) -> Any:
+    def reduce(
+        self,
+        reduce_op: AnyReduceOp,
+        value: Any,
+        axis: Optional[int] = None,
+        *,
+        out: Any = None,
+        compression: Optional[str] = None,
+    ) -> Any:
         """Collective: reduce ``value`` across replicas; the result is identical on every rank.
 
         ``reduce_op`` is a ``ReduceOp`` or a ``VariableAggregation`` (or the
@@ -251,9 +265,13 @@ class MPIStrategy:
         arrays shaped like its components, without ``axis``) receives the
         result instead of new arrays: the form that allocates nothing in
         steady state, for repeated reductions of the same layout.
+        ``compression`` (``"fp16"``, ``"bf16"``, ``"none"``; ``None``: the
+        strategy's option) sends float32 ``SUM``/``MEAN`` values over the wire
+        in 16 bits (``docs/compression.md``); asked for here, every value must
+        be float32 (else ``ValueError``).
         """
         checked_collective_context(self, "strategy.reduce")
-        return self._extended.reduce(reduce_op, value, axis, out)
+        return self._extended.reduce(reduce_op, value, axis, out, compression)
 
     def reduce_async(self, reduce_op: AnyReduceOp, value: Any) -> Handle:
         """Collective, nonblocking :meth:`reduce` (without ``axis``): returns a :class:`~mpidist.Handle`.
@@ -402,6 +420,7 @@ class MPIStrategy:
         fn: Union[str, Callable[[Any, Any], Any]] = "assign_add",
         *,
         in_place: bool = False,
+        compression: Optional[str] = None,
     ) -> list[MirroredVariable]:
         """Update many mirrored variables at once: ``fn(component, value)`` for each ``(variable, value)``.
 
@@ -428,6 +447,8 @@ class MPIStrategy:
         dtype and shape is overwritten with its aggregated value (for
         example the mean gradient), and the reduction needs no scratch copy:
         the fastest way to update from large or flat gradient buffers.
+        ``compression`` (replica context): as in :meth:`reduce`, for every
+        value (each variable's aggregation SUM or MEAN, float32).
         """
         pairs = list(pairs)
         variables = [v for v, _ in pairs]
@@ -446,7 +467,7 @@ class MPIStrategy:
             return variables
         for v in variables:
             require_aggregation(v, "strategy.batch_update")
-        self._extended.update_mirrored(variables, values, update, in_place)
+        self._extended.update_mirrored(variables, values, update, in_place, compression)
         return variables
 
     def flat_zeros_like(self, variables: Sequence[DistributedVariable]) -> list[Any]:

@@ -33,6 +33,7 @@ import numpy as np
 from mpidist._comm.backend import Backend
 from mpidist._comm.communicator import Communicator, describe_failures
 from mpidist._comm.reduce_op import ReduceOp
+from mpidist._comm.timeline import Timeline
 from mpidist._errors import CollectiveMismatchError, on_rank
 from mpidist._input.datasets import Chunk
 from mpidist._input.order import (
@@ -127,7 +128,8 @@ class DistributedDataset:
         self._epoch = check_count("epoch", epoch)
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self)
+        timeline = self._host.communicator.timeline
+        return DistributedIterator(self) if timeline is None else _RecordedIterator(self, timeline)
 
     def __len__(self) -> int:
         """Steps of a whole epoch, when every rank knows it without communication."""
@@ -532,6 +534,17 @@ class DistributedIterator:
 
     def __repr__(self) -> str:
         return f"<DistributedIterator {self._source.kind} epoch {self._epoch} offset {self._offset}>"
+
+
+class _RecordedIterator(DistributedIterator):
+    """A :class:`DistributedIterator` whose steps are events of the communicator's timeline (``options.timeline``)."""
+
+    def __init__(self, dataset: DistributedDataset, timeline: Timeline) -> None:
+        super().__init__(dataset)
+        self._next = timeline.timed(super().__next__, "input")
+
+    def __next__(self) -> Any:
+        return self._next()
 
 
 def _finish(converter: Converter, chunk: Chunk) -> Chunk:

@@ -29,6 +29,9 @@ interleaved sample by sample so that they see the same machine load:
   that makes no MPI call: how much of it is left for ``wait()``.
 - ``safety``: an 8-byte allreduce and update with the safety settings off,
   one at a time, and on (the default).
+- ``timeline``: an 8-byte allreduce and an 8-byte mirrored update with
+  ``options.timeline`` off and on (every rank recording its collectives into a
+  temporary directory): what the timeline costs per collective.
 - ``profile``: the 8-byte mirrored update through each layer in turn (the
   agreement alone, the communicator's allreduce, its fused reduce-and-apply,
   ``assign_add``), default settings: where its microseconds go.
@@ -42,6 +45,11 @@ interleaved sample by sample so that they see the same machine load:
   beside float32 arrays of as many elements, 1 KiB to 64 MiB of float32, and
   the raw float32 ``Allreduce``; skipped, with a note in the results, where
   ``ml_dtypes`` is missing or the communicator refuses bfloat16.
+- ``compression``: a mirrored variable's replica-context MEAN update
+  (``assign_add``) of 1, 16 and 64 MiB of float32 by a strategy with
+  ``compression="fp16"`` and one with ``"bf16"``, against the same update
+  by the default (exact) strategy: what wire compression costs or saves on
+  this machine's links (on one node, memory).
 - ``scaling``: the agreement's cost against the number of ranks, counted: for
   an 8-byte mirrored MEAN update (the agreement carries the data), an in-place
   1 MiB float32 allreduce (the agreement, then the reduction) and a barrier,
@@ -94,8 +102,10 @@ import functools
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Sequence
@@ -124,11 +134,13 @@ __all__ = [
     "add_arguments",
     "alltoall_variants",
     "bfloat16_variants",
+    "compression_variants",
     "make_strategies",
     "mpi_settings",
     "resnet50_shapes",
     "resnet_variants",
     "run",
+    "sample",
     "scaling_variants",
     "uneven_splits",
     "update_variants",
@@ -258,6 +270,34 @@ def _all_reduce_into(reduced: list[np.ndarray], grads: list[np.ndarray]) -> Call
     return call
 
 
+def sample(comm: MPI.Intracomm, variant: Variant, calls: int) -> float:
+    """Collective over ``comm``: seconds per call of ``calls`` calls of ``variant``, each timed alone.
+
+    Before each call: ``variant.write()``, then a barrier; only the call is
+    timed. A call's time is the slowest rank's; the result is their mean. A
+    variant with a strategy runs in its replica context, where an update is
+    reduced.
+    """
+    times = np.empty(calls)
+    write, call, barrier, clock = variant.write, variant.call, comm.Barrier, time.perf_counter
+
+    def loop() -> None:
+        for i in range(calls):
+            write()
+            barrier()
+            start = clock()
+            call()
+            times[i] = clock() - start
+
+    if variant.strategy is None:
+        loop()
+    else:
+        with variant.strategy.scope():
+            variant.strategy.run(loop)
+    comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return float(times.mean())
+
+
 class Bench:
     """Timing and bookkeeping shared by the cases; collective methods are called by every rank."""
 
@@ -292,29 +332,8 @@ class Bench:
         return slowest.tolist()
 
     def sample(self, variant: Variant, calls: int) -> float:
-        """Collective: seconds per call of ``calls`` calls of ``variant``, each timed alone.
-
-        Before each call: ``variant.write()``, then a barrier; only the call
-        is timed. A call's time is the slowest rank's; the result is their mean.
-        """
-        times = np.empty(calls)
-        write, call, barrier, clock = variant.write, variant.call, self.comm.Barrier, time.perf_counter
-
-        def loop() -> None:
-            for i in range(calls):
-                write()
-                barrier()
-                start = clock()
-                call()
-                times[i] = clock() - start
-
-        if variant.strategy is None:
-            loop()
-        else:
-            with variant.strategy.scope():
-                variant.strategy.run(loop)
-        self.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-        return float(times.mean())
+        """Collective: :func:`sample` over this benchmark's communicator."""
+        return sample(self.comm, variant, calls)
 
     def compare(self, case: str, key: str, variants: dict[str, Variant]) -> dict[str, float]:
         """Collective: time each variant, samples interleaved; medians in seconds per call.
@@ -559,24 +578,44 @@ def bench_safety(bench: Bench) -> None:
         "deadline_only": dict(check_collectives=False),
         "default": {},
     }
-    strategies = {name: MPIStrategy(device="cpu", abort_on_error=False, **kw) for name, kw in settings.items()}
+    _compare_8_bytes(
+        bench,
+        "safety",
+        {name: MPIStrategy(device="cpu", abort_on_error=False, **kw) for name, kw in settings.items()},
+        baselines=True,
+    )
+
+
+def bench_timeline(bench: Bench) -> None:
+    """Per-call cost of the timeline: an 8-byte allreduce and an 8-byte mirrored MEAN update, recorded or not."""
+    directory = tempfile.mkdtemp(prefix="mpidist-bench-timeline-")  # each rank its own: each writes its own file
+    strategies = {
+        "off": MPIStrategy(device="cpu", abort_on_error=False),
+        "on": MPIStrategy(device="cpu", abort_on_error=False, timeline=directory),
+    }
+    _compare_8_bytes(bench, "timeline", strategies, baselines=False)
+    shutil.rmtree(directory, ignore_errors=True)  # the file stays open, unlinked, until exit
+
+
+def _compare_8_bytes(bench: Bench, case: str, strategies: dict[str, MPIStrategy], baselines: bool) -> None:
+    """Collective: ``case``'s ``allreduce_8B`` (the communicator's allreduce into ``out=``) and ``update_8B`` (a
+    mirrored MEAN ``assign_add``) of one float64 by each strategy, with raw mpi4py's ``Allreduce`` and the hand
+    loop beside them when ``baselines``; the strategies are freed at the end."""
     x, out = np.empty(1), _weights(1, np.float64)
     write = bench.gradients.writer([x])
-    variants = {"raw": Variant(lambda: bench.comm.Allreduce(x, out, MPI.SUM), write)}
-    variants.update(
-        {
-            name: Variant(functools.partial(s.communicator.allreduce, x, out=out), write)
-            for name, s in strategies.items()
-        }
-    )
-    bench.compare("safety", "allreduce_8B", variants)
-    tmp, weight = _weights(1, np.float64), _weights(1, np.float64)
-    updates = {"hand_loop": Variant(_hand_loop(bench.comm, x, tmp, weight), write)}
+    variants = {"raw": Variant(lambda: bench.comm.Allreduce(x, out, MPI.SUM), write)} if baselines else {}
+    for name, s in strategies.items():
+        variants[name] = Variant(functools.partial(s.communicator.allreduce, x, out=out), write)
+    bench.compare(case, "allreduce_8B", variants)
+    updates = {}
+    if baselines:
+        tmp, weight = _weights(1, np.float64), _weights(1, np.float64)
+        updates["hand_loop"] = Variant(_hand_loop(bench.comm, x, tmp, weight), write)
     for name, s in strategies.items():
         with s.scope():
-            v = _mirrored(_weights(1, np.float64), "safety")
+            v = _mirrored(_weights(1, np.float64), case)
         updates[name] = Variant(functools.partial(v.assign_add, x), write, s)
-    bench.compare("safety", "update_8B", updates)
+    bench.compare(case, "update_8B", updates)
     for s in strategies.values():
         s.free()
 
@@ -695,6 +734,34 @@ def bench_bfloat16(bench: Bench, strategy: MPIStrategy, max_bytes: int) -> None:
         return
     for nbytes in [b for b in _ALLTOALL_SIZES[1:] if b <= max_bytes]:
         bench.compare("bfloat16", str(nbytes), bfloat16_variants(bench, strategy, nbytes, bfloat16))
+
+
+COMPRESSION_SIZES = (_MIB, 16 * _MIB, 64 * _MIB)  # the float32 gradients of the compression case
+
+
+def compression_variants(bench: Bench, strategies: dict[str, MPIStrategy], nbytes: int) -> dict[str, Variant]:
+    """Collective (it makes variables): the ``compression`` case's variants: the MEAN update of ``nbytes`` of
+    float32 by each strategy of ``strategies`` (``exact``, ``fp16``, ``bf16``), from one gradient array."""
+    grad = np.empty(nbytes // 4, np.float32)
+    write = bench.gradients.writer([grad])
+    variants = {}
+    for name, strategy in strategies.items():
+        with strategy.scope():
+            v = _mirrored(_weights(grad.shape), f"compression{nbytes}")
+        variants[name] = Variant(functools.partial(v.assign_add, grad), write, strategy)
+    return variants
+
+
+def bench_compression(bench: Bench, max_bytes: int) -> None:
+    strategies = {
+        "exact": MPIStrategy(device="cpu", abort_on_error=False),
+        "fp16": MPIStrategy(device="cpu", compression="fp16", abort_on_error=False),
+        "bf16": MPIStrategy(device="cpu", compression="bf16", abort_on_error=False),
+    }
+    for nbytes in [b for b in COMPRESSION_SIZES if b <= max_bytes]:
+        bench.compare("compression", str(nbytes), compression_variants(bench, strategies, nbytes))
+    for s in strategies.values():
+        s.free()
 
 
 def scaling_variants(bench: Bench, strategy: MPIStrategy, comm: MPI.Intracomm) -> dict[str, dict[str, Variant]]:
@@ -818,12 +885,17 @@ def resnet_variants(
         for g in raw_grads:
             bench.comm.Allreduce(MPI.IN_PLACE, g, MPI.SUM)
 
+    def raw_per_array_out() -> None:  # what out= asks of MPI: the inputs kept, the sums in other arrays
+        for g, r in zip(raw_grads, reduced):
+            bench.comm.Allreduce(g, r, MPI.SUM)
+
     def hand_loop_per_array() -> None:
         for step in hand_loops:
             step()
 
     variants = {
         "raw_per_array": Variant(raw_per_array, write_raw),
+        "raw_per_array_out": Variant(raw_per_array_out, write_raw),
         "hand_loop_per_array": Variant(hand_loop_per_array, grads.writer(hand_grads)),
         "raw_flat_one_call": Variant(lambda: bench.comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM), grads.writer([flat])),
         "mpidist_batch_update_flat": Variant(
@@ -916,8 +988,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-bytes", type=int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
     parser.add_argument(
         "--cases",
-        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,profile,alltoall,bfloat16",
-        help="comma-separated subset of the cases; also 'scaling' (not in the default list): the MPI calls of "
+        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,timeline,profile,alltoall,bfloat16",
+        help="comma-separated subset of the cases; also 'compression' (not in the default list: it runs best "
+        "across nodes) and 'scaling' (not in the default list): the MPI calls of "
         "mpidist's agreement and, under Open MPI started with OMPI_MCA_pml_monitoring_enable=1, the messages and "
         "bytes each rank's MPI library sends for them, counted at any number of ranks, also more ranks than cores "
         "(OMPI_MCA_pml_monitoring_enable=1 mpiexec --oversubscribe -n 16 python -m mpidist bench --cases scaling); "
@@ -949,12 +1022,16 @@ def run(args: argparse.Namespace) -> int:
         bench_overlap(bench, strategies["nocheck"], args.max_bytes)
     if "safety" in cases:
         bench_safety(bench)
+    if "timeline" in cases:
+        bench_timeline(bench)
     if "profile" in cases:
         bench_profile(bench, strategies["check"])
     if "alltoall" in cases:
         bench_alltoall(bench, strategies, args.max_bytes)
     if "bfloat16" in cases:
         bench_bfloat16(bench, strategies["check"], args.max_bytes)
+    if "compression" in cases:
+        bench_compression(bench, args.max_bytes)
     if "scaling" in cases:
         bench_scaling(bench, strategies["check"])
     meta = {

@@ -192,6 +192,18 @@ def _bfloat16_row(nbytes: int, e: dict[str, Any]) -> list[str]:
     ]
 
 
+def _compression_row(nbytes: int, e: dict[str, Any]) -> list[str]:
+    exact, fp16, bf16 = median(e, "exact"), median(e, "fp16"), median(e, "bf16")
+    return [
+        human_size(nbytes),
+        _t(exact),
+        _t(fp16),
+        _t(bf16),
+        _paired(e, "fp16", "exact"),
+        _paired(e, "bf16", "exact"),
+    ]
+
+
 def _layers(e: dict[str, Any]) -> list[list[str]]:
     """Rows of the profile: each layer's time and what it adds to the one before (the hand loop for reference)."""
     rows, before = [], None
@@ -423,7 +435,7 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         (
             "resnet50",
             "ResNet-50 parameter shapes (161 float32 arrays, 97.5 MiB)",
-            ("hand_loop_per_array", "raw_per_array"),
+            ("hand_loop_per_array", "raw_per_array", "raw_per_array_out"),
         ),
         ("fusion", "fusion_bytes (ResNet-50 fused update of ordinary arrays)", ("0",)),
     ):
@@ -462,6 +474,20 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
                     ]
                     for name in e
                     if median(e, name) is not None
+                ),
+            )
+    for key, title in (
+        ("allreduce_8B", "Timeline: 8-byte allreduce"),
+        ("update_8B", "Timeline: 8-byte mirrored MEAN update"),
+    ):
+        e = results.get("timeline", {}).get(key)
+        if e:
+            out += _table(
+                title,
+                ["timeline", "time", "vs off", "vs off, round by round"],
+                (
+                    [name, _t(median(e, name)), _ratio(median(e, name), median(e, "off")), _paired(e, name, "off")]
+                    for name in ("off", "on")
                 ),
             )
     profile = results.get("profile", {}).get("update_8B")
@@ -509,6 +535,12 @@ def _markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
                 "float32/raw",
             ],
             (_bfloat16_row(nbytes, e) for nbytes, e in _by_size(half)),
+        )
+    if results.get("compression"):
+        out += _table(
+            "Wire compression: mirrored MEAN update (assign_add) of float32",
+            ["size", "exact", "fp16", "bf16", "fp16/exact, round by round", "bf16/exact, round by round"],
+            (_compression_row(nbytes, e) for nbytes, e in _by_size(results["compression"])),
         )
     out += scaling_tables([(meta, results)])
     for nbytes, e in _by_size(results.get("overlap", {})):

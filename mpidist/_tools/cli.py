@@ -101,3 +101,17 @@ def _add_checkpoint(subparsers: Subparsers) -> None:
         "no MPI job is needed, and nothing in a checkpoint is ever unpickled or executed.",
     )
     _inspect.add_parser(parser.add_subparsers(dest="action", metavar="ACTION", required=True))
+
+
+# -- timeline --------------------------------------------------------------------------------
+@command
+def _add_timeline(subparsers: Subparsers) -> None:
+    from mpidist._tools import timeline as _timeline
+
+    _add_module_command(
+        subparsers,
+        "timeline",
+        _timeline,
+        "merge the per-rank timeline files of a job run with MPIDIST_TIMELINE=DIR: align the clocks, "
+        "show where each rank waited and which rank the others waited for",
+    )

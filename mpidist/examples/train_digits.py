@@ -318,6 +318,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "mpidist, or auto: scikit-learn when installed (default auto; both are identical)",
     )
     p.add_argument(
+        "--slow",
+        type=_slow_rank,
+        default=None,
+        metavar="RANK:SECONDS",
+        help="make rank RANK sleep SECONDS in every training step, as a rank on a slower machine would be "
+        "slower: run with MPIDIST_TIMELINE=DIR and `python -m mpidist timeline DIR` names it as the rank the "
+        "others waited for (default: no rank is slowed)",
+    )
+    p.add_argument(
         "--min-accuracy",
         type=float,
         default=None,
@@ -333,6 +342,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.learning_rate <= 0:
         p.error(f"--learning-rate must be positive, got {args.learning_rate}")
     return args
+
+
+def _slow_rank(text: str) -> tuple[int, float]:
+    """``--slow RANK:SECONDS`` as ``(rank, seconds)``."""
+    rank, _, seconds = text.partition(":")
+    try:
+        slowed = (int(rank), float(seconds))
+    except ValueError:
+        slowed = (-1, -1.0)
+    if slowed[0] < 0 or not slowed[1] >= 0:
+        raise argparse.ArgumentTypeError(f"expected RANK:SECONDS, such as 1:0.01, got {text!r}")
+    return slowed
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -408,6 +429,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return np.float32(args.learning_rate * 0.5 * (1.0 + math.cos(math.pi * epoch / args.epochs)))
 
     def train_step(batch: tuple[Array, Array]) -> None:
+        if args.slow is not None and rank == args.slow[0]:
+            time.sleep(args.slow[1])  # --slow: this rank computes more slowly than the others
         x, y = batch
         losses, logits, grads = _loss_and_grads(xp, [p.read_value() for p in params], x, y)
         for var, grad in zip(params, grads):

@@ -4,7 +4,8 @@
 of them) as it starts its ``N``-th agreement (counted from 1 over every mpidist communicator of the
 process);
 ``"RANK:piece:N"`` as it starts the ``N``-th piece of a reduction (the pipelined pieces of large
-reductions, each one MPI call). :func:`install` wraps the methods in place: the library has no
+reductions, each one MPI call); ``"RANK:call:N"`` as it starts its ``N``-th blocking MPI data call
+(any collective's, such as a compressed reduction's exchanges). :func:`install` wraps the methods in place: the library has no
 hook of its own, and a run without the variable is untouched. Timing alone would hit a
 different moment in every run; counting hits the same one. With ``MPIDIST_TEST_KILL_STAMP`` set,
 the rank writes the time of its death (``time.time()``) to that file first, for the survivors to
@@ -23,6 +24,8 @@ from mpi4py import MPI
 
 from mpidist._comm.agreement import Agreement
 from mpidist._comm.algorithms.base import Reduction
+from mpidist._comm.timeline import TimedAgreement
+from mpidist._comm.transport import Transport
 
 __all__ = ["install"]
 
@@ -36,21 +39,27 @@ def install() -> None:
     if MPI.COMM_WORLD.rank not in [int(r) for r in ranks.split(",")]:
         return
     counter = _counter(int(n))
-    if what == "agreement":
-        for name in ("agree", "agree_planned", "start", "leave"):
-            setattr(Agreement, name, counter(getattr(Agreement, name)))
+    if what == "agreement":  # the timeline's recording agreement too, whose methods call the plain ones or not
+        for cls in (Agreement, TimedAgreement):
+            for name in ("agree", "agree_planned", "start", "leave"):
+                if name in vars(cls):
+                    setattr(cls, name, counter(vars(cls)[name]))
     elif what == "piece":
         Reduction.reduce = counter(Reduction.reduce)  # type: ignore[method-assign]  # the test's own wrapper
+    elif what == "call":
+        Transport.run = counter(Transport.run)  # type: ignore[method-assign]
     else:
-        raise ValueError(f"MPIDIST_TEST_KILL: expected RANK:agreement:N or RANK:piece:N, got {spec!r}")
+        raise ValueError(f"MPIDIST_TEST_KILL: expected RANK:agreement:N, RANK:piece:N or RANK:call:N, got {spec!r}")
 
 
 def _counter(limit: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    calls = [0]
+    calls, depth = [0], [0]  # a counted method that calls another counted one counts once
 
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def counted(*args: Any, **kwargs: Any) -> Any:
+            if depth[0]:
+                return method(*args, **kwargs)
             calls[0] += 1
             if calls[0] == limit:
                 stamp = os.environ.get("MPIDIST_TEST_KILL_STAMP")
@@ -58,7 +67,11 @@ def _counter(limit: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                     with open(stamp, "w") as f:
                         f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
-            return method(*args, **kwargs)
+            depth[0] += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         return counted
 

@@ -311,6 +311,7 @@ def test_a_name_that_differs_is_a_mismatch(strategy):
         ("check_collectives", False, True),
         ("fusion_bytes", 1024, 65536),
         ("fault_tolerance", True, False),
+        ("compression", "bf16", None),
     ],
 )
 def test_options_that_differ_are_refused_at_creation(option, mine, theirs):

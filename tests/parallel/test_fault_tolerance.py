@@ -22,8 +22,9 @@ JOB = str(SAMPLES / "ft_job.py")
 OPEN_MPI = mpi_flavour(find_mpiexec()[0]) == "openmpi"
 
 
-def launch(n, scenario, kill, out, node_size=0):
-    """Run the job at ``n`` ranks with ``MPIDIST_TEST_KILL=kill``: (result, {first rank: outcome}, time of the kill)."""
+def launch(n, scenario, kill, out, node_size=0, **extra):
+    """Run the job at ``n`` ranks with ``MPIDIST_TEST_KILL=kill`` (and the environment's ``extra`` variables):
+    (result, {first rank: outcome}, time of the kill)."""
     stamp = out / "killed-at"
     env = {
         **os.environ,
@@ -33,6 +34,7 @@ def launch(n, scenario, kill, out, node_size=0):
         "MPIDIST_TEST_KILL_STAMP": str(stamp),
         "FT_NODE_SIZE": str(node_size),
         "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        **extra,
     }
     result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", str(n), sys.executable, JOB, scenario], 120, env=env)
     seen = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(out).glob("rank*.json")}
@@ -57,6 +59,8 @@ CASES = [
     ("inplace", "1", "piece", 20, 0),
     ("update", "last", "piece", 100, 0),  # an 8 MiB mirrored update, no snapshot: whole or not at all
     ("update", "1", "piece", 37, 0),
+    ("compressed", "last", "call", 40, 0),  # a float32 update sent in bfloat16, inside its exchanges
+    ("compressed", "1", "call", 51, 0),
 ]
 
 
@@ -89,7 +93,11 @@ def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_pat
                 assert o["lost_after_reset"] == [], o
         if scenario == "checkpoint":  # and the newest save holds them
             assert all(o["restored"] == [36.0, 72.0] for o in seen.values()), seen
-    elif scenario in ("inplace", "update"):  # the call that raised wrote nothing; every variable whole and alike
+    elif scenario in (
+        "inplace",
+        "update",
+        "compressed",
+    ):  # the call that raised wrote nothing; every variable whole and alike
         assert all(o["buffer"] == [1.0, 1.0] for o in seen.values()), seen
         assert len({tuple(o["whole"]) for o in seen.values()}) == 1, seen
         assert all(lo == hi for lo, hi in (o["whole"] for o in seen.values())), seen
@@ -102,6 +110,23 @@ def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_pat
             assert steps == list(range(8)), outcome["sums"]
             assert all(lo == hi == size for _, lo, hi, size in outcome["sums"]), outcome["sums"]
             assert {size for *_, size in outcome["sums"]} == {n, n - 1}, outcome["sums"]
+
+
+def test_a_timeline_goes_on_over_the_survivors(tmp_path):
+    """With a timeline, the survivors record on into their files (a track for their new communicator), and the
+    ranks' files, the dead rank's with them, merge."""
+    timeline = tmp_path / "timeline"
+    result, seen, _ = launch(3, "allreduce", "2:agreement:9", tmp_path, MPIDIST_TIMELINE=str(timeline))
+    if not OPEN_MPI:
+        assert result.returncode not in (0, None), result.describe()
+        return
+    assert result.returncode == 0 and sorted(seen) == [0, 1], result.describe()
+    for rank in (0, 1):
+        text = (timeline / f"timeline-rank{rank}.json").read_text()
+        assert f"(rank {rank} of 3)" in text and f"(rank {rank} of 2)" in text, text[:2000]
+    merged = run_command([sys.executable, "-m", "mpidist", "timeline", str(timeline)], 60, env=dict(os.environ))
+    assert merged.returncode == 0, merged.describe()
+    assert (timeline / "timeline.json").exists(), merged.describe()
 
 
 def test_main_job_finishes_on_the_survivors(tmp_path):

@@ -45,3 +45,23 @@ def test_a_snapshot_takes_only_json_state(strategy):
     strategy.snapshot(epoch=1, position={"offset": 60})
     with pytest.raises(TypeError):
         strategy.snapshot(epoch=np.zeros(2))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_reductions_give_the_bits_they_give_without_it(strategy, compression):
+    """A compressed reduction and update go through the whole-call paths: the same bits as without fault tolerance."""
+    plain = MPIStrategy(device="cpu", abort_on_error=False, timeout=30, piece_bytes=4096)
+    try:
+        x = np.linspace(-1.0, 1.0, 5000, dtype=np.float32) * (strategy.rank + 1)
+        results = []
+        for s in (strategy, plain):
+            reduced = s.reduce("mean", x.copy(), compression=compression)
+            with s.scope():
+                v = Variable(np.zeros(5000, np.float32), name="v", aggregation="mean")
+            s.run(lambda s=s, v=v: s.batch_update([(v, x)], compression=compression))
+            results.append((np.asarray(reduced), v.component.copy()))
+        (reduced, updated), (expected_reduced, expected_updated) = results
+        assert reduced.tobytes() == expected_reduced.tobytes()
+        assert updated.tobytes() == expected_updated.tobytes()
+    finally:
+        plain.free()

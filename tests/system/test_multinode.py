@@ -234,6 +234,7 @@ def test_values_reductions_input_and_checkpoints_across_nodes(cluster, out, devi
         large = "Hierarchical" if cluster.flavour == "openmpi" else "Flat"
         assert report["auto_picks"] == {"8000": ["Flat"], str(8 << 20): [large]}, report["auto_picks"]
         assert report["auto_two_level_built"] == (cluster.flavour == "openmpi")
+        assert report["compressed_algorithm"] == "Hierarchical"  # compressed: two-level under either MPI
         assert report["local_rank"] == rank % PER_NODE and report["num_nodes"] == NODES
         if device == "standin":
             assert report["device_id"] == rank % PER_NODE, report  # GPU = node-local rank

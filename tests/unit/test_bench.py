@@ -81,6 +81,7 @@ RESULTS = {
         },
     },
     "memory": {str(256 << 20): {"copy": _timed(0.05), "add": _timed(0.1), "copy_GBps": 10.0, "add_GBps": 8.0}},
+    "compression": {str(64 << 20): {"exact": _timed(0.5), "fp16": _timed(0.3), "bf16": _timed(0.25)}},
 }
 
 
@@ -95,6 +96,10 @@ def test_the_report_gives_times_and_ratios_but_no_verdict(tmp_path):
         "25.17 ms | 0.72x |" in text
     )
     assert "copy 10.0 GB/s, add 8.0 GB/s" in text
+    assert (
+        "| 64 MiB | 500.00 ms | 300.00 ms | 250.00 ms | 0.60x (0.60-0.60, 1 rounds) | 0.50x (0.50-0.50, 1 rounds) |"
+        in text
+    )
     assert "goal" not in text.lower() and "| met |" not in text
 
 
@@ -235,6 +240,12 @@ def _variants_of_the_cases(bench_module, bench):
     variants = {f"update {name}": v for name, v in bench_module.update_variants(bench, strategies, 4096).items()}
     variants.update(
         {f"resnet50 {name}": v for name, v in bench_module.resnet_variants(bench, strategies, TINY_SHAPES).items()}
+    )
+    for wire in ("fp16", "bf16"):
+        strategies[wire] = bench_module.MPIStrategy(device="cpu", compression=wire, abort_on_error=False)
+    compressed = {"exact": strategies["check"], "fp16": strategies["fp16"], "bf16": strategies["bf16"]}
+    variants.update(
+        {f"compression {name}": v for name, v in bench_module.compression_variants(bench, compressed, 4096).items()}
     )
     return variants, strategies
 

@@ -55,15 +55,22 @@ def test_help_explains_every_option(capsys):
         "--progress",
         "--device",
         "--data",
+        "--slow",
         "--min-accuracy",
     ):
         assert re.search(rf"^\s+{option}\b.*\n?.*\S", text, re.M), f"{option} is not explained"
 
 
-def test_bad_options_are_refused():
+@pytest.mark.parametrize("args", [["--epochs", "0"], ["--slow", "1"], ["--slow", "x:0.1"], ["--slow", "1:-2"]])
+def test_bad_options_are_refused(args):
     with pytest.raises(SystemExit) as exit_info:
-        train_digits.parse_args(["--epochs", "0"])
+        train_digits.parse_args(args)
     assert exit_info.value.code == 2
+
+
+def test_slow_names_a_rank_and_its_seconds_per_step():
+    assert train_digits.parse_args(["--slow", "1:0.25"]).slow == (1, 0.25)
+    assert train_digits.parse_args([]).slow is None
 
 
 def test_accuracy_is_the_same_at_one_two_and_three_ranks(tmp_path):

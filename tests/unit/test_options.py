@@ -29,6 +29,7 @@ def test_options_precedence_keyword_over_environment_over_default():
         ({"straggler_threshold": 0}, "straggler_threshold and straggler_window must be > 0 and >= 1"),
         ({"straggler_window": 0}, "straggler_threshold and straggler_window must be > 0 and >= 1"),
         ({"straggler_interval": -5}, "straggler_interval must be a positive number of seconds or None"),
+        ({"compression": "fp8"}, "option compression: expected none, fp16 or bf16, got 'fp8'"),
     ],
 )
 def test_options_reject_bad_values(kwargs, text):
@@ -46,11 +47,22 @@ def test_options_reject_bad_values(kwargs, text):
         ({"hierarchical": 1}, r"option hierarchical must be True, False or None \(auto\)"),
         ({"straggler_window": 128.0}, "option straggler_window must be an integer number of collectives"),
         ({"straggler_threshold": "20%"}, "option straggler_threshold must be a number"),
+        ({"compression": True}, 'option compression must be "fp16", "bf16", "none" or None'),
     ],
 )
 def test_options_of_the_wrong_type_raise_type_error_naming_the_option(kwargs, text):
     with pytest.raises(TypeError, match=text):
         Options.resolve(env={}, **kwargs)
+
+
+def test_compression_from_keyword_or_environment_none_is_exact():
+    assert Options().compression is None
+    assert Options.resolve(env={"MPIDIST_COMPRESSION": "BF16"}).compression == "bf16"
+    assert Options.resolve(env={"MPIDIST_COMPRESSION": "bf16"}, compression="fp16").compression == "fp16"
+    assert Options.resolve(env={"MPIDIST_COMPRESSION": "fp16"}, compression="none").compression is None
+    assert Options.resolve(env={"MPIDIST_COMPRESSION": "none"}).compression is None
+    with pytest.raises(ValueError, match="environment variable MPIDIST_COMPRESSION: expected none, fp16 or bf16"):
+        Options.resolve(env={"MPIDIST_COMPRESSION": "half"})
 
 
 def test_former_name_pipeline_bytes_still_works_and_warns():

@@ -105,6 +105,20 @@ def test_across_nodes_forced_and_other_libraries(build):
     assert _TwoLevel.built == 2
 
 
+def test_compressed_reductions_take_the_two_level_algorithm_across_nodes_under_any_library(build):
+    for library in ("MPICH Version: 5.0.2", "Open MPI v5.0.11"):
+        a = build(2, 4, library=library, compression="bf16")
+        assert isinstance(a.hierarchical, _TwoLevel) and a.choose_compressed() is a.hierarchical
+        if library.startswith("MPICH"):  # exact reductions keep their own rule: flat under MPICH
+            assert a.choose(1 << 30) is a.flat
+        assert a.choose(8) is a.flat  # and below the threshold under Open MPI
+    for flat in (build(2, 4, compression="fp16", hierarchical=False), build(4, 4, compression="fp16"), build(1, 4)):
+        assert flat.hierarchical is None and flat.choose_compressed() is flat.flat
+    forced = build(1, 4, hierarchical=True)
+    assert forced.choose_compressed() is forced.hierarchical
+    assert _TwoLevel.built == 3
+
+
 def test_the_option_three_ways_and_its_environment_variable():
     assert Options().hierarchical is None
     assert Options.resolve(env={}).hierarchical is None

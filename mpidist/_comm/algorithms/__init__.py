@@ -26,12 +26,14 @@ from mpidist._comm.transport import Transport
 
 __all__ = ["TWO_LEVEL_FROM", "Algorithms", "Flat", "Hierarchical", "Reduction", "two_level_from"]
 
-# The smallest reduction (bytes reduced by one call) that takes the two-level algorithm by default across nodes,
-# under Open MPI. Measured with benchmarks/multinode.sh (docs/benchmarks.md, "Across nodes: shaped links"): over
-# links shaped to 1 Gbit/s, with 2 ranks on each of 2 nodes, Open MPI's flat allreduce took 1.1-1.35x the two-level
-# one from 1 MiB on; below, the two took the same time within the noise. Under MPICH the flat allreduce was the
-# faster at every size (its own algorithm already sent each byte once over each link).
-TWO_LEVEL_FROM = 1 << 20
+# The smallest reduction (bytes reduced by one call: a piece at most) that takes the two-level algorithm by default
+# across nodes, under Open MPI: a whole piece of the default size. Measured with benchmarks/multinode.sh
+# (docs/benchmarks.md, "Across nodes: shaped links"), links shaped to 1 Gbit/s: reductions of 16 MiB and more
+# (in 2 MiB pieces) took 0.67-0.79x of Open MPI's flat allreduce's time two-level on 4 nodes x 2 ranks, and
+# 0.80-0.95x at 9 of 10 sizes in two runs on 2 x 2; single calls of 1-2 MiB were faster flat in one of them. Under
+# MPICH the flat allreduce was the faster from 1 MiB (its own algorithm already sends each byte about once over
+# each link). Where the CPU rather than the link limits, the two-level one lost under both.
+TWO_LEVEL_FROM = 2 << 20
 
 
 def two_level_from(
@@ -73,8 +75,18 @@ class Algorithms:
             options.piece_bytes,
             topology.num_nodes > 1 and library_version().startswith("Open MPI"),
         )
+        # Compressed reductions (mpidist._comm.compression) take it wherever the ranks span nodes and some node
+        # holds more than one (unless hierarchical=False): only its leaders' stage is compressed, so each node's sum
+        # crosses the node's link once in 16 bits, where a flat exchange of 16-bit slices would send every rank's.
+        compressed = (
+            options.compression is not None
+            and options.hierarchical is not False
+            and 1 < topology.num_nodes < transport.size
+        )
         # Built only where some reduction takes it: never on one node unless forced (hierarchical=True).
-        self.hierarchical: Optional[Hierarchical] = None if threshold is None else Hierarchical(transport, topology)
+        built = threshold is not None or compressed
+        self.hierarchical: Optional[Hierarchical] = Hierarchical(transport, topology) if built else None
+        self._exact: Optional[Hierarchical] = None if threshold is None else self.hierarchical  # choose()'s
         self.two_level_from: int = threshold or 0
 
     def choose(self, nbytes: int) -> Reduction:
@@ -86,7 +98,7 @@ class Algorithms:
         ranks), flat otherwise. Without the two-level algorithm (one node, or
         ``hierarchical=False``) it is one attribute test.
         """
-        hierarchical = self.hierarchical
+        hierarchical = self._exact
         if hierarchical is None or nbytes < self.two_level_from:
             return self.flat
         return hierarchical
@@ -94,6 +106,11 @@ class Algorithms:
     def communicators(self) -> list[MPI.Intracomm]:
         """Local: the communicators split for the algorithms (revoked with the private one when ranks die)."""
         return [] if self.hierarchical is None else self.hierarchical.communicators()
+
+    def choose_compressed(self) -> Reduction:
+        """Local: the algorithm of a compressed reduction (any size): the two-level one where it was built
+        (``hierarchical=True``, or ranks across nodes: see ``__init__``), flat otherwise; every rank alike."""
+        return self.flat if self.hierarchical is None else self.hierarchical
 
     def free(self) -> None:
         """Collective: release what the algorithms hold."""

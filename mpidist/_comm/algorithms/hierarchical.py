@@ -23,7 +23,7 @@ collective call, whatever the algorithm.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Callable, cast
 
 from mpi4py import MPI
 
@@ -68,11 +68,24 @@ class Hierarchical(Flat):
 
     def reduce_implementation(self, what: str, buffer: Array, mpi_op: MPI.Op) -> None:
         """Collective: the three stages, blocking: onto the node leader, among the leaders, within the node."""
+
+        def across(leaders: MPI.Intracomm) -> None:
+            if leaders.size > 1:
+                self.transport.run(what, "Allreduce", MPI.IN_PLACE, buffer, mpi_op, comm=leaders)
+
+        self.stages(what, buffer, mpi_op, across)
+
+    def stages(self, what: str, buffer: Array, mpi_op: MPI.Op, across: Callable[[MPI.Intracomm], None]) -> None:
+        """Collective: ``buffer`` reduced by ``mpi_op`` onto the node leader, then ``across(leaders)`` on the
+        leaders (the leaders' communicator, of one rank on one node), then broadcast within the node.
+
+        The stage across the nodes is the caller's: an allreduce for :meth:`reduce`, a compressed
+        exchange for :mod:`~mpidist._comm.compression`.
+        """
         run = self.transport.run
         if self.is_leader:
             run(what, "Reduce", MPI.IN_PLACE, buffer, mpi_op, 0, comm=self.node)
-            if self.leaders.size > 1:
-                run(what, "Allreduce", MPI.IN_PLACE, buffer, mpi_op, comm=self.leaders)
+            across(self.leaders)
         else:
             run(what, "Reduce", buffer, None, mpi_op, 0, comm=self.node)
         run(what, "Bcast", buffer, 0, comm=self.node)

@@ -5,7 +5,8 @@
 tests/parallel/test_fault_tolerance.py launches it; ``kill_at`` (tests/helpers) kills the rank at
 the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pipelined`` (an
 8 MiB reduction in 64 pieces; with ``FT_NODE_SIZE=k`` two-level, over "nodes" of ``k`` ranks),
-``mirrored`` (steps of two mirrored variables' updates, with a snapshot at the start of each).
+``mirrored`` (steps of two mirrored variables' updates, with a snapshot at the start of each),
+``compressed`` (a 4 MiB float32 mirrored update sent in bfloat16).
 Every survivor carries on after ``strategy.recover()`` and writes its outcome as JSON to
 ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
@@ -30,14 +31,18 @@ scenario = sys.argv[1]
 node_size = int(os.environ.get("FT_NODE_SIZE", "0"))
 levels = {"hierarchical": True, "node_size": node_size} if node_size else {}
 tolerant = scenario != "off"  # off: launched to survive, but the strategy's fault tolerance is off
+if scenario == "compressed":  # float32 updates whose wire is bfloat16
+    levels["compression"] = "bf16"
 strategy = md.MPIStrategy(device="cpu", timeout=60, piece_bytes=128 * 1024, fault_tolerance=tolerant, **levels)
 first_rank, first_size = strategy.rank, strategy.num_replicas_in_sync
 outcome: dict = {"rank": first_rank, "failures": [], "sums": []}
-size = {"allreduce": 4, "off": 4, "pipelined": 1 << 20, "inplace": 1 << 20, "update": 1 << 20}.get(scenario, 1000)
+size = {"allreduce": 4, "off": 4, "pipelined": 1 << 20, "inplace": 1 << 20, "update": 1 << 20, "compressed": 1 << 20}
+size = size.get(scenario, 1000)
+dtype = np.float32 if scenario == "compressed" else np.float64
 size = 1 if scenario == "input" else size
 with strategy.scope():
-    a = md.Variable(np.zeros(size), name="a", aggregation="mean")
-    b = md.Variable(np.zeros(size), name="b", aggregation="mean")
+    a = md.Variable(np.zeros(size, dtype), name="a", aggregation="mean")
+    b = md.Variable(np.zeros(size, dtype), name="b", aggregation="mean")
     seen = md.Sum("seen")  # a sync-on-read metric: the dead rank's part of it is lost
 
 
@@ -95,14 +100,14 @@ if scenario == "input":  # three epochs of ten steps over a distributed dataset,
                     "message": str(failure),
                 }
             )
-if scenario in ("inplace", "update"):  # no snapshot: the call in flight lands whole or not at all, on every survivor
+if scenario in ("inplace", "update", "compressed"):  # no snapshot: the call in flight lands whole or not at all
     for _ in range(8):
         buffer = np.ones(size)
         try:
             if scenario == "inplace":
                 strategy.communicator.allreduce(buffer, inplace=True, name="buffer")
             else:
-                strategy.run(lambda: a.assign_add(np.ones(size)))
+                strategy.run(lambda: a.assign_add(np.ones(size, dtype)))
         except md.RankFailedError as failure:
             raised = time.time()
             strategy.recover()
@@ -119,7 +124,7 @@ if scenario in ("inplace", "update"):  # no snapshot: the call in flight lands w
             outcome["whole"] = [float(a.component.min()), float(a.component.max())]
             break
 checkpoint = md.Checkpoint(a=a, b=b)
-step, steps = 0, 0 if scenario in ("input", "inplace", "update") else 8
+step, steps = 0, 0 if scenario in ("input", "inplace", "update", "compressed") else 8
 while step < steps:
     try:
         started = time.time()

@@ -145,6 +145,21 @@ def basics():
     auto.free()
     forced_flat.free()
 
+    compressed = md.MPIStrategy(device=device, timeout=60, compression="bf16", piece_bytes=4096)
+
+    @check("reduce-compressed")
+    def _():
+        # across nodes a compressed reduction takes the two-level algorithm under either MPI (16 bits between leaders)
+        report["compressed_algorithm"] = type(compressed.communicator._algorithms.choose_compressed()).__name__
+        for n in (40, 3000):  # one piece and several: small integers, exact in bfloat16, node sums and totals too
+            mine = xp.asarray((np.arange(n) % 7 + rank + 1).astype(np.float32))
+            got = host(compressed.communicator.allreduce(mine))
+            assert np.array_equal(got, (np.arange(n) % 7 + 1) * size + size * (size - 1) // 2), (n, got[:4])
+            got = host(compressed.reduce("mean", mine))
+            assert np.array_equal(got, np.arange(n) % 7 + 1 + (size - 1) / 2), (n, got[:4])
+
+    compressed.free()
+
     for flat in (False, True):
         s = md.MPIStrategy(device=device, timeout=60, flat_variables=flat, piece_bytes=2048, fusion_bytes=512)
 
