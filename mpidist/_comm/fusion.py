@@ -75,8 +75,6 @@ class Fusion:
         self._transport = transport
         self._widening = widening
         self._compression = compression
-        # the encoding of the blocking reduction in progress (set by reduce_apply; None: exact), which
-        # _transfer applies to each float32 SUM/MEAN buffer it reduces
         self._agreement = agreement
         self._choose = algorithms.choose
         self._backend = backend

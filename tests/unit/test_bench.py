@@ -363,3 +363,15 @@ def test_the_user_script_and_the_bench_time_the_same_calls_under_mpiexec(tmp_pat
 def test_results_of_earlier_versions_name_the_piece_size_pipeline_bytes():
     assert piece_bytes({"piece_bytes": 8 << 20}) == 8 << 20
     assert piece_bytes({"pipeline_bytes": 4 << 20}) == 4 << 20  # results.json of 0.2
+
+
+def test_the_fault_tolerance_cost_script_reports_both_modes_and_the_copy_under_mpiexec():
+    """``benchmarks/fault_tolerance_cost.py`` at 2 ranks, tiny: a line per size with both modes and one copy."""
+    script = REPO / "benchmarks" / "fault_tolerance_cost.py"
+    result = run_mpi(2, [sys.executable, str(script), "--rounds", "3", "--sizes", "8,65536"], timeout=TIMEOUT)
+    assert result.returncode == 0, result.describe()
+    for size in (8, 65536):
+        line = re.search(rf"^{size} B mirrored MEAN update, 2 ranks, 3 rounds of \d+ calls: (.*)$", result.stdout, re.M)
+        assert line is not None, result.describe()
+        assert re.search(r"off [\d.]+ us, on [\d.]+ us, one copy [\d.]+ us; .*on / off median [\d.]+x", line[1])
+    assert "load average" in result.stdout
