@@ -112,6 +112,31 @@ def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_pat
             assert {size for *_, size in outcome["sums"]} == {n, n - 1}, outcome["sums"]
 
 
+@pytest.mark.parametrize("count", [9, 10])  # rank 3 killed in its set's collective, or in the whole's
+def test_process_sets_recover_each_on_its_own(count, tmp_path):
+    """Sets {0, 1} and {2, 3}, rank 3 killed: the set that lost it and the whole strategy each raise in their own
+    collective and recover on their own (``recover()`` on the strategy whose call raised); the other set goes on."""
+    result, seen, _ = launch(4, "split", f"3:agreement:{count}", tmp_path)
+    if not OPEN_MPI:
+        assert result.returncode not in (0, None), result.describe()
+        return
+    assert result.returncode == 0 and sorted(seen) == [0, 1, 2], result.describe()
+    recovered_at = set()
+    for old, outcome in seen.items():
+        for name, dead, size_before, size_after in (("all", [3], 4, 3), ("set", [1], 2, 1)):
+            rows = [next(r for r in row[1:] if r[0] == name) for row in outcome["split"]]
+            if name == "set" and old < 2:  # the other set never noticed
+                assert rows == [["set", 2.0, 2]] * 6, outcome["split"]
+                continue
+            [at] = [i for i, r in enumerate(rows) if r[1] == "recovered"]
+            assert rows[at] == [name, "recovered", dead, size_after], rows
+            assert rows[:at] == [[name, float(size_before), size_before]] * at, rows
+            assert rows[at + 1 :] == [[name, float(size_after), size_after]] * (5 - at), rows
+            if name == "all":
+                recovered_at.add(at)
+    assert len(recovered_at) == 1, seen  # the whole strategy recovered in the same step on every survivor
+
+
 def test_a_timeline_goes_on_over_the_survivors(tmp_path):
     """With a timeline, the survivors record on into their files (a track for their new communicator), and the
     ranks' files, the dead rank's with them, merge."""

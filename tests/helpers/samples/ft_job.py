@@ -6,7 +6,7 @@ tests/parallel/test_fault_tolerance.py launches it; ``kill_at`` (tests/helpers) 
 the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pipelined`` (an
 8 MiB reduction in 64 pieces; with ``FT_NODE_SIZE=k`` two-level, over "nodes" of ``k`` ranks),
 ``mirrored`` (steps of two mirrored variables' updates, with a snapshot at the start of each),
-``compressed`` (a 4 MiB float32 mirrored update sent in bfloat16).
+``compressed`` (a 4 MiB float32 mirrored update sent in bfloat16), ``split`` (process sets of two ranks).
 Every survivor carries on after ``strategy.recover()`` and writes its outcome as JSON to
 ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
@@ -123,8 +123,21 @@ if scenario in ("inplace", "update", "compressed"):  # no snapshot: the call in 
             outcome["buffer"] = [float(buffer.min()), float(buffer.max())]
             outcome["whole"] = [float(a.component.min()), float(a.component.max())]
             break
+if scenario == "split":  # process sets of two ranks: the set that lost a rank and the whole recover each on its own
+    group = strategy.split(first_rank // 2)
+    assert group is not None
+    outcome["split"] = []
+    for step in range(6):
+        row: list = [step]
+        for name, s in (("set", group), ("all", strategy)):
+            try:
+                row.append([name, float(s.reduce("sum", np.ones(3))[0]), s.num_replicas_in_sync])
+            except md.RankFailedError as failure:
+                s.recover()
+                row.append([name, "recovered", list(failure.failed_ranks), s.num_replicas_in_sync])
+        outcome["split"].append(row)
 checkpoint = md.Checkpoint(a=a, b=b)
-step, steps = 0, 0 if scenario in ("input", "inplace", "update", "compressed") else 8
+step, steps = 0, 0 if scenario in ("input", "inplace", "update", "compressed", "split") else 8
 while step < steps:
     try:
         started = time.time()
