@@ -58,8 +58,12 @@ fault_tolerance_setup() {
 }
 
 # Whether MPIDIST_FAULT_TOLERANCE is on (1, true, yes, on), as mpidist reads it.
-fault_tolerance_on() {
-  case "$(printf '%s' "${MPIDIST_FAULT_TOLERANCE:-0}" | tr '[:upper:]' '[:lower:]')" in
+fault_tolerance_on() { switch_on "${MPIDIST_FAULT_TOLERANCE:-0}"; }
+
+# Whether the switch value $1 is on: 1, true, yes or on, in any case (MPIDIST_FAULT_TOLERANCE,
+# train.sbatch's MPIDIST_REGROW).
+switch_on() {
+  case "$(printf '%s' "${1:-0}" | tr '[:upper:]' '[:lower:]')" in
     1 | true | yes | on) return 0 ;;
     *) return 1 ;;
   esac
@@ -127,9 +131,18 @@ slurm_launch() {
         esac
       fi
       [ "$flavour" = mpich ] && remove_stale_mpich_segments
+      # A dead task ends an srun step whatever srun's options: Slurm's PMIx plugin kills every task
+      # of the step (SIGKILL) on the error event of any one (tried with --kill-on-bad-exit=0,
+      # --no-kill and Open MPI's ULFM settings, OMPI_MCA_mpi_ft_enable=1 and its failure detector).
       if fault_tolerance_on; then
-        echo "note: MPIDIST_FAULT_TOLERANCE=1 under srun: Slurm ends the step when a task dies (not yet" \
-             "made to carry on); MPIDIST_LAUNCHER=mpiexec starts Open MPI with --with-ft ulfm instead" >&2
+        if [ "$flavour" = openmpi ]; then
+          echo "warning: MPIDIST_FAULT_TOLERANCE=1 cannot work under srun: Slurm ends the whole step when" \
+               "one task dies (its PMIx plugin kills every task), so the survivors cannot carry on; set" \
+               "MPIDIST_LAUNCHER=mpiexec to start the ranks with Open MPI's mpiexec --with-ft ulfm" >&2
+        else
+          echo "warning: MPIDIST_FAULT_TOLERANCE=1: this MPI cannot carry on after a rank dies (no ULFM);" \
+               "srun ends the step when one task dies" >&2
+        fi
       fi
       launch=(srun --mpi="${MPIDIST_SRUN_MPI:-$plugin}" --kill-on-bad-exit=1) ;;
     mpiexec)

@@ -24,6 +24,11 @@ Every part of mpidist in one program:
   (``strategy.should_stop()``), saves one checkpoint mid-epoch (with the metrics and the
   input position) and exits with status 0; ``--resume`` continues at that step and ends
   with the same weights as a run that was never stopped.
+- Dead ranks (``MPIDIST_FAULT_TOLERANCE=1``, launched with Open MPI's ``mpiexec --with-ft ulfm``):
+  the survivors recover to the start of the interrupted step and train on with the same global
+  batch. With ``--regrow`` a job that shrank saves its checkpoint at the end of that epoch and
+  exits with status 75 (``REGROW_STATUS``), for its batch script to requeue it at full size
+  (``jobs/train.sbatch`` with ``MPIDIST_REGROW=1``); ``--resume`` continues from there.
 - Progress on rank 0 only: a progress bar on a terminal, one plain line per epoch in a log.
 
 For the same ``--global-batch-size`` (default 60, divisible by 1 to 6 ranks) the
@@ -58,9 +63,12 @@ import mpidist as md
 if TYPE_CHECKING:
     from mpidist._typing import Array  # a NumPy or CuPy array
 
-__all__ = ["load_digits", "main", "parse_args", "split"]
+__all__ = ["REGROW_STATUS", "load_digits", "main", "parse_args", "split"]
 
 DATA_FILE = Path(__file__).with_name("digits.npz")
+# --regrow's exit status after ranks died and the checkpoint at the end of the epoch was saved:
+# sysexits' EX_TEMPFAIL ("try again later"), for the batch script to requeue the job at full size.
+REGROW_STATUS = 75
 NUM_CLASSES = 10
 # Launchers whose ranks see a terminal even when the job's output goes to a file or pipe.
 _LAUNCHER_PROCESSES = (
@@ -297,6 +305,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "been saved by a different number of ranks); without one, start afresh",
     )
     p.add_argument(
+        "--regrow",
+        action="store_true",
+        help="once ranks died and the survivors trained on (fault tolerance), save the checkpoint at the end "
+        f"of the epoch and exit with status {REGROW_STATUS}, so that the job can start again at its full size "
+        "and continue with --resume (jobs/train.sbatch: MPIDIST_REGROW=1 requeues it)",
+    )
+    p.add_argument(
         "--progress",
         choices=("auto", "bar", "lines", "none"),
         default="auto",
@@ -341,6 +356,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--test-fraction must be between 0 and 1, got {args.test_fraction}")
     if args.learning_rate <= 0:
         p.error(f"--learning-rate must be positive, got {args.learning_rate}")
+    if args.regrow and args.no_checkpoint:
+        p.error("--regrow continues from the checkpoint it saves: it cannot go with --no-checkpoint")
     return args
 
 
@@ -364,6 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     options = {} if args.device is None else {"device": args.device}
     strategy = md.MPIStrategy(**options)
     n, rank = strategy.num_replicas_in_sync, strategy.rank
+    full_size = n  # the ranks the job started with; fewer once ranks died
     if args.global_batch_size % n:
         if rank == 0:
             print(
@@ -493,6 +511,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"held-out accuracy {accuracy:.2f}% ({time.perf_counter() - epoch_started:.2f} s{saved})"
             )
             epoch += 1
+            if args.regrow and n < full_size and epoch < args.epochs:  # shrank: start again at full size
+                progress.line(
+                    f"regrow: {n} of {full_size} ranks left{survived}; stopped after epoch {epoch}/{args.epochs}"
+                    f"{saved}; exit status {REGROW_STATUS}: start the job again at {full_size} ranks with --resume",
+                    force=True,
+                )
+                return REGROW_STATUS
         except md.RankFailedError as failure:  # only with fault tolerance: the survivors carry on
             died = time.perf_counter()
             state = strategy.recover()  # every survivor back at the newest step start any of them reached
@@ -511,8 +536,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             dead = ", ".join(str(r) for r in failure.failed_ranks)
             survived = f", after rank{'s' if len(failure.failed_ranks) > 1 else ''} {dead} died"
             progress.line(
-                f"rank{'s' if len(failure.failed_ranks) > 1 else ''} {dead} died; {n} ranks carry on from epoch "
-                f"{epoch + 1} step {position.step_in(epoch, args.global_batch_size) + 1} with a global batch of "
+                f"rank{'s' if len(failure.failed_ranks) > 1 else ''} {dead} died; {n} rank"
+                f"{'s carry' if n != 1 else ' carries'} on from epoch {epoch + 1} step "
+                f"{position.step_in(epoch, args.global_batch_size) + 1} with a global batch of "
                 f"{args.global_batch_size} = {n} x {args.global_batch_size // n} (recovered in "
                 f"{time.perf_counter() - died:.2f} s; this epoch's training metrics count from here on)",
                 force=True,

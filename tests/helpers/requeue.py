@@ -115,6 +115,11 @@ def preempt_and_release(env: Mapping[str, str], job_id: str, workdir: Path, name
     """Signal the batch script as ``--signal=B:USR1`` does; once the job requeued itself, release it."""
     signalled = run(["scancel", "--signal=USR1", "--batch", job_id], 30, env=env)
     assert signalled.returncode == 0, signalled.stderr
+    release_requeued(env, job_id, workdir, name)
+
+
+def release_requeued(env: Mapping[str, str], job_id: str, workdir: Path, name: str) -> None:
+    """Wait until the job ``job_id`` requeued itself, then release it (Slurm holds it back two minutes)."""
 
     def requeued():
         fields = scontrol_jobs(env).get(job_id, {})

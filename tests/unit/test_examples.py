@@ -52,6 +52,7 @@ def test_help_explains_every_option(capsys):
         "--checkpoint-dir",
         "--no-checkpoint",
         "--resume",
+        "--regrow",
         "--progress",
         "--device",
         "--data",
@@ -61,7 +62,10 @@ def test_help_explains_every_option(capsys):
         assert re.search(rf"^\s+{option}\b.*\n?.*\S", text, re.M), f"{option} is not explained"
 
 
-@pytest.mark.parametrize("args", [["--epochs", "0"], ["--slow", "1"], ["--slow", "x:0.1"], ["--slow", "1:-2"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--epochs", "0"], ["--slow", "1"], ["--slow", "x:0.1"], ["--slow", "1:-2"], ["--regrow", "--no-checkpoint"]],
+)
 def test_bad_options_are_refused(args):
     with pytest.raises(SystemExit) as exit_info:
         train_digits.parse_args(args)
