@@ -19,6 +19,10 @@ from mpirun import find_mpiexec, mpi_flavour, run_command
 from paths import HELPERS, JOBS, REPO, SAMPLES
 
 JOB = str(SAMPLES / "ft_job.py")
+# The main job, run after kill_at's hook is installed (MPIDIST_TEST_KILL says which rank dies where)
+MAIN_JOB = (
+    "import kill_at, runpy; kill_at.install(); runpy.run_module('mpidist.examples.train_digits', run_name='__main__')"
+)
 OPEN_MPI = mpi_flavour(find_mpiexec()[0]) == "openmpi"
 
 
@@ -162,9 +166,7 @@ def test_main_job_finishes_on_the_survivors(tmp_path):
         "MPIDIST_TEST_KILL": "3:agreement:150",  # the first epoch takes about 130 agreements
         "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    main = "runpy.run_module('mpidist.examples.train_digits', run_name='__main__')"
-    program = f"import kill_at, runpy; kill_at.install(); {main}"
-    argv = [sys.executable, "-c", program, "--progress", "lines", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    argv = [sys.executable, "-c", MAIN_JOB, "--progress", "lines", "--checkpoint-dir", str(tmp_path / "ckpt")]
     result = run_command(["bash", str(JOBS / "mpirun.sh"), "-n", "4", *argv, "--min-accuracy", "95"], 300, env=env)
     if not OPEN_MPI:  # MPICH: the launcher ends the job
         assert result.returncode not in (0, None), result.describe()
@@ -174,6 +176,40 @@ def test_main_job_finishes_on_the_survivors(tmp_path):
     assert "epoch 1/20:" in result.stdout and "rank 3 died; 3 ranks carry on from epoch 2" in result.stdout
     assert lines[-1].startswith("final held-out accuracy: "), result.describe()
     assert "(359 images, 3 ranks, after rank 3 died, 20 epochs" in lines[-1], result.describe()
+
+
+def test_main_job_regrow_stops_after_the_epoch_and_resumes_at_full_size(tmp_path):
+    """--regrow: rank 2 of 3 killed in the second epoch, the survivors save at its end and exit 75; the job
+    started again with --resume continues from that checkpoint on 3 ranks to the usual accuracy."""
+    env = {
+        **os.environ,
+        "MPIDIST_FAULT_TOLERANCE": "1",
+        "PYTHONPATH": os.pathsep.join([str(HELPERS), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    argv = [
+        sys.executable,
+        "-c",
+        MAIN_JOB,
+        "--progress",
+        "lines",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--resume",
+    ]
+    launch = ["bash", str(JOBS / "mpirun.sh"), "-n", "3", *argv, "--regrow", "--min-accuracy", "95"]
+    shrunk = run_command(launch, 300, env={**env, "MPIDIST_TEST_KILL": "2:agreement:150"})
+    if not OPEN_MPI:  # MPICH: the launcher ends the job; nothing to regrow
+        assert shrunk.returncode not in (0, 75, None), shrunk.describe()
+        return
+    assert shrunk.returncode == 75, shrunk.describe()
+    assert "rank 2 died; 2 ranks carry on from epoch 2" in shrunk.stdout, shrunk.describe()
+    last = shrunk.stdout.strip().splitlines()[-1]
+    assert last.startswith("regrow: 2 of 3 ranks left, after rank 2 died; stopped after epoch 2/20, saved ckpt-000002;")
+    assert "epoch 3/20" not in shrunk.stdout, shrunk.describe()
+    again = run_command(launch, 300, env=env)
+    assert again.returncode == 0, again.describe()
+    assert "resumed from " in again.stdout and "ckpt-000002 after epoch 2\n" in again.stdout, again.describe()
+    assert "(359 images, 3 ranks, 20 epochs" in again.stdout.strip().splitlines()[-1], again.describe()
 
 
 def test_without_fault_tolerance_every_survivor_gets_a_clear_error(tmp_path):
