@@ -6,8 +6,8 @@ process);
 ``"RANK:piece:N"`` as it starts the ``N``-th piece of a reduction (the pipelined pieces of large
 reductions, each one MPI call); ``"RANK:call:N"`` as it starts its ``N``-th blocking MPI data call
 (any collective's, such as a compressed reduction's exchanges). :func:`install` wraps the methods
-in place: the library has no hook of its own, and a run without the variable is untouched. Timing alone would hit a
-different moment in every run; counting hits the same one. With ``MPIDIST_TEST_KILL_STAMP`` set,
+in place: the library has no hook of its own, and a run without the variable is untouched. Timing
+alone would hit a different moment in every run; counting hits the same one. With ``MPIDIST_TEST_KILL_STAMP`` set,
 the rank writes the time of its death (``time.time()``) to that file first, for the survivors to
 measure how long they took to notice and to carry on.
 """
