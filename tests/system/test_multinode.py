@@ -9,7 +9,8 @@ Jobs of 2 nodes x 2 ranks start with the MPI's own ``mpiexec`` on the first node
 second through the cluster's ssh stand-in (Open MPI: ``plm_ssh_agent``; MPICH: ``-launcher-exec``),
 under a timeout that kills the launcher's whole process tree. They run
 ``tests/helpers/samples/multinode_job.py``, which writes one report per rank; expectations follow from
-rank and size. A node is taken away mid-job by setting its link down, or by SIGKILLing its ranks.
+rank and size. A node is taken away mid-job by setting its link down, or by SIGKILLing its ranks
+(and, with fault tolerance, its MPI daemon: ``tests/helpers/samples/ft_node_job.py``).
 A Slurm with one ``slurmd`` per node runs the job scripts on both nodes, and ``jobs/train.sbatch``
 preempted, requeued and resumed there (``tests/helpers/requeue.py``).
 
@@ -366,8 +367,12 @@ def test_killed_node_ends_the_job(cluster, out):
 # ULFM's heartbeat failure detector (off by default), tuned for the tests: a rank that stops answering is
 # declared failed about three timeouts after the link went down (two ranks behind it; measured in
 # docs/fault-tolerance.md).
-DETECTOR = {"OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_period": "0.2"}
 DETECTOR_TIMEOUT = 1.0  # seconds
+DETECTOR = {
+    "OMPI_MCA_mpi_ft_detector": "true",
+    "OMPI_MCA_mpi_ft_detector_period": "0.2",
+    "OMPI_MCA_mpi_ft_detector_timeout": str(DETECTOR_TIMEOUT),
+}
 
 
 def _start_tolerant(cluster, out, timeout: float = 60, **extra: str) -> subprocess.Popen:
@@ -407,8 +412,7 @@ def test_killed_node_with_fault_tolerance(cluster, out, daemon):
     """Fault tolerance across nodes: node 1's ranks killed, node 0's carry on and finish every step once;
     with node 1's MPI daemon killed too, Open MPI 5.0's runtime ends the job at once (it cannot lose a daemon)."""
     # The failure detector changes nothing here: node 0's ranks learn of the deaths from Open MPI's runtime.
-    detect = {**DETECTOR, "OMPI_MCA_mpi_ft_detector_timeout": str(DETECTOR_TIMEOUT)} if daemon else {}
-    proc = _start_tolerant(cluster, out, **detect)
+    proc = _start_tolerant(cluster, out, **(DETECTOR if daemon else {}))
     try:
         ready = _wait_for(out, "rank*.ready", SIZE, JOB_TIMEOUT, proc)
         assert len(ready) == SIZE, f"the job did not start: {_finish(proc, 0)[1]}"
@@ -448,8 +452,7 @@ def test_link_down_with_fault_tolerance(cluster, out, detector):
     other failed: node 0 (rank 0's side) carries on and finishes every step once, node 1 stops (CutOffError).
     Without the detector nothing in Open MPI notices: rank 0's side raises the deadline's
     CollectiveTimeoutError naming ranks 2-3, as without fault tolerance."""
-    extra = {**DETECTOR, "OMPI_MCA_mpi_ft_detector_timeout": str(DETECTOR_TIMEOUT)} if detector else {}
-    proc = _start_tolerant(cluster, out, timeout=60 if detector else DEADLINE, **extra)
+    proc = _start_tolerant(cluster, out, timeout=60 if detector else DEADLINE, **(DETECTOR if detector else {}))
     try:
         ready = _wait_for(out, "rank*.ready", SIZE, JOB_TIMEOUT, proc)
         assert len(ready) == SIZE, f"the job did not start: {_finish(proc, 0)[1]}"
@@ -477,10 +480,8 @@ def test_link_down_with_fault_tolerance(cluster, out, detector):
     noticed = _carried_on(found, down_at, 3 * DETECTOR_TIMEOUT + SLACK)
     for rank in (2, 3):
         report = found[rank]
-        assert report["error"] == "CutOffError" and report["raised_at"] - down_at < 3 * DETECTOR_TIMEOUT + SLACK, (
-            rank,
-            report,
-        )
+        noticed_there = report["raised_at"] - down_at
+        assert report["error"] == "CutOffError" and noticed_there < 3 * DETECTOR_TIMEOUT + SLACK, (rank, report)
     assert ended, f"the launcher did not end within 30 s of the link coming back\n{output}"
     print(f"link down: node 0 noticed within {noticed:.2f} s and trained on; node 1 stopped")
 
