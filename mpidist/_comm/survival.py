@@ -58,16 +58,28 @@ def readiness(env: Optional[Mapping[str, str]] = None) -> tuple[bool, str]:
 
     Open MPI can when its launcher was started with ``--with-ft ulfm`` (which
     sets ``OMPI_MCA_mpi_ft_enable`` in the ranks' environment); MPICH cannot.
+    Whether ULFM's failure detector (``OMPI_MCA_mpi_ft_detector``) is on says
+    how a node cut off by its network is noticed.
     """
     env = os.environ if env is None else env
     if not _PEER_FAILED or not hasattr(MPI.Comm, "Shrink"):
         return False, "end the job: this MPI library has no ULFM, its launcher ends the job when a rank dies"
-    if env.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes", "on"):
-        return True, "the survivors can carry on: Open MPI with ULFM, started with --with-ft ulfm"
+    if _on(env, "OMPI_MCA_mpi_ft_enable"):
+        if _on(env, "OMPI_MCA_mpi_ft_detector"):
+            timeout = env.get("OMPI_MCA_mpi_ft_detector_timeout", "").strip() or "10"
+            cut = f"ULFM's failure detector is on (timeout {timeout} s): a node cut off is noticed in a few timeouts"
+        else:
+            cut = "ULFM's failure detector is off: a node cut off by its network is noticed at the timeout"
+        return True, f"the survivors can carry on: Open MPI with ULFM, started with --with-ft ulfm; {cut}"
     return False, (
         "end the job: start it with mpiexec --with-ft ulfm (MPIDIST_FAULT_TOLERANCE=1 bash jobs/mpirun.sh ...) "
         "to let the survivors carry on"
     )
+
+
+def _on(env: Mapping[str, str], name: str) -> bool:
+    """Local: whether the MCA variable ``name`` is set true in ``env``."""
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on", "t", "y", "enabled")
 
 
 def is_peer_failure(exc: MPI.Exception) -> bool:
