@@ -23,6 +23,7 @@ that first (``tests/helpers/node_paths.py``) and fails every test with one line 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -121,6 +122,14 @@ class Cluster:
         env.pop("PRTE_MCA_rmaps_default_mapping_policy", None)  # oversubscribe would put every rank on node0
         env.pop("MPIEXEC_TIMEOUT", None)
         return env
+
+    def processes(self, node: int) -> list[int]:
+        """Every process running on ``node`` (in its network namespace) but the namespace's holder."""
+        listed = subprocess.run(
+            ["ip", "netns", "pids", self.env["NAMESPACES"].split()[node]], capture_output=True, text=True, timeout=30
+        )
+        holder = self.env["PIDS"].split()[node]
+        return [int(p) for p in listed.stdout.split() if p != holder]
 
     def set_link(self, node: int, state: str) -> None:
         """Set the host end of ``node``'s link ``"down"`` or ``"up"``.
@@ -416,12 +425,8 @@ def test_killed_node_with_fault_tolerance(cluster, out, daemon):
     try:
         ready = _wait_for(out, "rank*.ready", SIZE, JOB_TIMEOUT, proc)
         assert len(ready) == SIZE, f"the job did not start: {_finish(proc, 0)[1]}"
-        if daemon:  # every process of the node but the namespace's holder: the ranks and prted
-            holder = cluster.env["PIDS"].split()[1]
-            listed = subprocess.run(
-                ["ip", "netns", "pids", cluster.env["NAMESPACES"].split()[1]], capture_output=True, text=True
-            )
-            victims = [int(p) for p in listed.stdout.split() if p != holder]
+        if daemon:  # every process of the node: the ranks and prted
+            victims = cluster.processes(1)
         else:
             victims = [json.loads((out / f"rank{r}.ready").read_text())["pid"] for r in range(PER_NODE, SIZE)]
         killed_at = time.time()
@@ -444,6 +449,44 @@ def test_killed_node_with_fault_tolerance(cluster, out, daemon):
     assert proc.returncode == 0, output
     noticed = _carried_on(found, killed_at, 5)
     print(f"node 1's ranks killed: node 0 noticed within {noticed * 1e3:.0f} ms and trained on")
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_crashed_node_with_fault_tolerance(cluster, out):
+    """Node 1 stops answering for good, as a node that crashed or lost power: its link goes down, then every
+    process of it dies, but the launcher's ssh client to it (here the stand-in's own process, the launcher's
+    child on node 1) is stopped rather than ended, as a real one waits on a host that vanished. With ULFM's
+    failure detector node 0 carries on and finishes every step once; the launcher waits for node 1's daemon
+    (until its TCP keepalive gives up, minutes later, and ends the job: docs/fault-tolerance.md)."""
+    proc = _start_tolerant(cluster, out, **DETECTOR)
+    stopped = []
+    try:
+        ready = _wait_for(out, "rank*.ready", SIZE, JOB_TIMEOUT, proc)
+        assert len(ready) == SIZE, f"the job did not start: {_finish(proc, 0)[1]}"
+        cluster.set_link(1, "down")
+        crashed_at = time.time()
+        victims = cluster.processes(1)
+        parents = {pid: _parent(pid) for pid in victims}
+        stopped = [pid for pid in victims if parents[pid] not in victims]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP if pid in stopped else signal.SIGKILL)
+        _wait_for(out, "rank*.json", PER_NODE, 3 * DETECTOR_TIMEOUT + SLACK + 30)
+        ended, output = _finish(proc, 3)  # then kills what is left
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        cluster.set_link(1, "up")
+        if proc.poll() is None:
+            _kill_job(proc)
+    assert stopped and not ended, (stopped, output)  # the launcher still waited for node 1's daemon
+    noticed = _carried_on(reports(out), crashed_at, 3 * DETECTOR_TIMEOUT + SLACK)
+    print(f"node 1 crashed: node 0 noticed within {noticed:.2f} s and trained on; the launcher waited")
 
 
 @pytest.mark.parametrize("detector", [True, False], ids=["detector", "deadline"])
