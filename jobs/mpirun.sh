@@ -38,4 +38,20 @@ flavour="$(mpi_flavour "${mpiexec[0]}")"
 load_mpi_env "$flavour"
 fault_tolerance_setup "$flavour"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "${mpiexec[@]}" "${ft_flags[@]}" "$@"
+fault_tolerance_marks
+if [ -z "${MPIDIST_FINISHED_DIR:-}" ]; then
+  exec "${mpiexec[@]}" "${ft_flags[@]}" "$@"
+fi
+# Fault tolerance under Open MPI: the launcher's exit status 0 is checked (fault_tolerance_verdict).
+# It runs in the background so that a signal to this script reaches it at once.
+"${mpiexec[@]}" "${ft_flags[@]}" "$@" &
+launcher_pid=$!
+trap 'kill -s TERM "$launcher_pid" 2>/dev/null || true' TERM
+trap 'kill -s INT "$launcher_pid" 2>/dev/null || true' INT
+status=0
+while :; do
+  wait "$launcher_pid" && status=0 || status=$?
+  kill -0 "$launcher_pid" 2>/dev/null || break  # a trap interrupted the wait: wait again
+done
+fault_tolerance_verdict "$status"
+exit "$status"

@@ -37,7 +37,7 @@ from mpidist._comm.deadline import deadline_errors
 from mpidist._comm.survival import readiness
 from mpidist._errors import CutOffError, on_rank
 
-__all__ = ["call_before_abort", "install_abort_on_error", "install_exit_hook"]
+__all__ = ["call_before_abort", "install_abort_on_error", "install_exit_hook", "leave_alone"]
 
 _FORWARD_PAUSE = 0.2  # seconds between writing the traceback and MPI_Abort (see _abort)
 _STAGGER = 0.3  # with ULFM, seconds more per rank (up to rank 10) before MPI_Abort (see _abort)
@@ -104,7 +104,7 @@ def install_abort_on_error() -> None:
             return
         lines = "".join(traceback.format_exception(exc_type, exc, tb)).splitlines()
         if issubclass(exc_type, CutOffError):  # the other side of the failure carries on: leave it alone
-            _leave_alone(lines)
+            leave_alone(lines)
         _abort(f"uncaught {exc_type.__name__}", lines, 1)
 
     sys.excepthook = hook
@@ -137,8 +137,27 @@ def _at_exit() -> None:
     leave_all()
     missed = deadline_errors()
     # sys.last_value: an uncaught exception, which Python's exit status reports already
-    if missed and code in (None, 0) and not hasattr(sys, "last_value"):
-        _exit_failing(missed)
+    if code in (None, 0) and not hasattr(sys, "last_value"):
+        if missed:
+            _exit_failing(missed)
+        _note_finished()
+
+
+def _note_finished() -> None:
+    """Local: this rank's program ended normally: say so in ``$MPIDIST_FINISHED_DIR`` (``rank<R>``), if set.
+
+    ``jobs/mpirun.sh`` and the batch scripts set it in fault-tolerant jobs,
+    whose launcher (Open MPI's under ``--with-ft ulfm``) exits with status 0
+    even when every rank was killed (a node lost with its daemon, or every
+    survivor stopped): with no rank finished, the scripts fail instead.
+    """
+    directory = os.environ.get("MPIDIST_FINISHED_DIR")
+    if directory:
+        try:
+            with open(os.path.join(directory, f"rank{MPI.COMM_WORLD.rank}"), "w"):
+                pass
+        except OSError:  # a directory gone or not writable: the script then reports no rank finished
+            pass
 
 
 def _exit_failing(missed: list[str]) -> NoReturn:
@@ -165,7 +184,7 @@ def _exit_failing(missed: list[str]) -> NoReturn:
     os._exit(1)
 
 
-def _leave_alone(lines: list[str]) -> NoReturn:
+def leave_alone(lines: list[str]) -> NoReturn:
     """End this rank as a dead one: without ``MPI_Abort`` (which would end the ranks that carry on too), without
     ``MPI_Finalize`` (whose barrier would wait for them), and by SIGKILL rather than an exit status: under
     ``--with-ft ulfm`` Open MPI's launcher took a rank that exited with status 1 while the others went on for

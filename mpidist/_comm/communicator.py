@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -30,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist._comm import overflow
-from mpidist._comm.abort import install_exit_hook
+from mpidist._comm.abort import install_exit_hook, leave_alone
 from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, as_array, is_device_array
@@ -219,6 +220,7 @@ class Communicator:
         t.broken = "ranks died"  # nothing waits on the old communicators any more
         t.on_peer_failure = _again
         comm, dropped = self._comm, self._drop()
+        watchdog = _watchdog(old_rank, self.options.timeout, what)
         try:
             for _ in range(_SURVIVE_TRIES):
                 revoke(comm)
@@ -236,6 +238,8 @@ class Communicator:
                 raise CommError(on_rank(old_rank, f"ranks kept failing while the survivors rebuilt after {what}"))
         finally:
             t.on_peer_failure = self._survive
+            if watchdog is not None:
+                watchdog.cancel()
         failed = failed_ranks(before, shrunk)
         before.Free()
         for c in dropped:
@@ -1323,6 +1327,31 @@ _LOCAL_OPTIONS = frozenset(
         "timeline",
     }
 )
+
+
+def _watchdog(rank: int, timeout: Optional[float], what: str) -> Optional[threading.Timer]:
+    """Local (error path): a started timer that ends this rank as a dead one (:func:`leave_alone`) unless the
+    survivors' rebuild after ``what`` is done within ``timeout`` seconds (``None``: no timer).
+
+    On the side of a cut link that lacks a failure detector, Open MPI's shrink
+    was seen to wait for ever (1 run in 8), and its nonblocking shrink crashed
+    the process: a blocking shrink with this timer is what is left.
+    """
+    if timeout is None:
+        return None
+
+    def stuck() -> None:
+        message = (
+            f"the survivors did not rebuild the communicator within {timeout:g} s after {what} (ranks that "
+            "cannot reach each other, as across a cut link, wait for each other in MPI's shrink); this rank "
+            "stops as a dead one would, so that the others may carry on"
+        )
+        leave_alone([on_rank(rank, message)])
+
+    timer = threading.Timer(timeout, stuck)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _nothing(_: Optional[np.ndarray]) -> None:

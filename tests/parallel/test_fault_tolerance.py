@@ -141,6 +141,21 @@ def test_process_sets_recover_each_on_its_own(count, tmp_path):
     assert len(recovered_at) == 1, seen  # the whole strategy recovered in the same step on every survivor
 
 
+def test_survivors_stuck_in_the_shrink_stop_at_the_timeout(tmp_path):
+    """MPI's shrink never returns on the survivors (seen on the side of a cut link): at the strategy's timeout
+    (3 s here) each survivor says so and ends as a dead rank would, and the job ends, never hangs; its launcher's
+    exit status 0 (every rank killed) becomes jobs/mpirun.sh's 1."""
+    result, seen, _ = launch(3, "stuck", "2:agreement:9", tmp_path)
+    assert result.returncode not in (0, None), result.describe()
+    if not OPEN_MPI:  # MPICH: the launcher ends the job first
+        return
+    assert seen == {} and result.elapsed < 30, result.describe()
+    assert "but no rank's program ended normally" in result.stderr, result.describe()
+    for rank in (0, 1):
+        message = f"[rank {rank}] rank {rank}: the survivors did not rebuild the communicator within 3 s after"
+        assert message in result.stderr, result.describe()
+
+
 def test_a_timeline_goes_on_over_the_survivors(tmp_path):
     """With a timeline, the survivors record on into their files (a track for their new communicator), and the
     ranks' files, the dead rank's with them, merge."""

@@ -6,7 +6,8 @@ tests/parallel/test_fault_tolerance.py launches it; ``kill_at`` (tests/helpers) 
 the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pipelined`` (an
 8 MiB reduction in 64 pieces; with ``FT_NODE_SIZE=k`` two-level, over "nodes" of ``k`` ranks),
 ``mirrored`` (steps of two mirrored variables' updates, with a snapshot at the start of each),
-``compressed`` (a 4 MiB float32 mirrored update sent in bfloat16), ``split`` (process sets of two ranks).
+``compressed`` (a 4 MiB float32 mirrored update sent in bfloat16), ``split`` (process sets of two ranks),
+``stuck`` (the survivors' shrink never returns).
 Every survivor carries on after ``strategy.recover()`` and writes its outcome as JSON to
 ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
@@ -33,10 +34,24 @@ levels = {"hierarchical": True, "node_size": node_size} if node_size else {}
 tolerant = scenario != "off"  # off: launched to survive, but the strategy's fault tolerance is off
 if scenario == "compressed":  # float32 updates whose wire is bfloat16
     levels["compression"] = "bf16"
-strategy = md.MPIStrategy(device="cpu", timeout=60, piece_bytes=128 * 1024, fault_tolerance=tolerant, **levels)
+if scenario == "stuck":  # MPI's shrink never returns (as seen across a cut link): the watchdog must end the rank
+    from mpidist._comm import communicator
+
+    communicator.shrink = lambda comm: time.sleep(3600)  # type: ignore[assignment]
+strategy = md.MPIStrategy(
+    device="cpu", timeout=3 if scenario == "stuck" else 60, piece_bytes=128 * 1024, fault_tolerance=tolerant, **levels
+)
 first_rank, first_size = strategy.rank, strategy.num_replicas_in_sync
 outcome: dict = {"rank": first_rank, "failures": [], "sums": []}
-size = {"allreduce": 4, "off": 4, "pipelined": 1 << 20, "inplace": 1 << 20, "update": 1 << 20, "compressed": 1 << 20}
+size = {
+    "allreduce": 4,
+    "off": 4,
+    "stuck": 4,
+    "pipelined": 1 << 20,
+    "inplace": 1 << 20,
+    "update": 1 << 20,
+    "compressed": 1 << 20,
+}
 size = size.get(scenario, 1000)
 dtype = np.float32 if scenario == "compressed" else np.float64
 size = 1 if scenario == "input" else size
