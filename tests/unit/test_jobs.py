@@ -129,3 +129,28 @@ def test_fault_tolerance_launch_flags(mpi, setting, flags, finalize):
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{flags}|{finalize}"
+
+
+@pytest.mark.parametrize(
+    ("mpi", "finished", "launcher", "expected"),
+    [
+        ("openmpi", 0, 0, 1),  # every rank killed, the launcher says 0: the script fails
+        ("openmpi", 2, 0, 0),  # survivors finished
+        ("openmpi", 0, 3, 3),  # the launcher's own failure is kept
+        ("mpich", 0, 0, 0),  # no fault-tolerant launch: nothing is checked
+    ],
+)
+def test_fault_tolerance_verdict_fails_a_job_in_which_no_rank_finished(mpi, finished, launcher, expected, tmp_path):
+    """A fault-tolerant launch notes which ranks' programs finished; the launcher's 0 with none becomes 1."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MPIDIST_", "OMPI_MCA_async"))}
+    script = (
+        f"source {JOBS / 'launch.sh'}; fault_tolerance_setup {mpi}; fault_tolerance_marks {tmp_path}; "
+        f'for r in $(seq 1 {finished}); do touch "$MPIDIST_FINISHED_DIR/rank$r"; done; '
+        f'dir="${{MPIDIST_FINISHED_DIR:-}}"; fault_tolerance_verdict {launcher}; '
+        'echo "status=$status left=$([ -n "$dir" ] && [ -d "$dir" ] && echo yes || echo no)"'
+    )
+    env = {**clean, "MPIDIST_FAULT_TOLERANCE": "1"}
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"status={expected} left=no", result.stdout
+    assert ("no rank's program ended normally" in result.stderr) == (expected == 1 and launcher == 0), result.stderr
