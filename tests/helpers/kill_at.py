@@ -63,9 +63,11 @@ def _counter(limit: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             calls[0] += 1
             if calls[0] == limit:
                 stamp = os.environ.get("MPIDIST_TEST_KILL_STAMP")
-                if stamp:
-                    with open(stamp, "w") as f:
+                if stamp:  # whole or absent: several ranks may die at once, and the survivors read it
+                    part = f"{stamp}.{os.getpid()}"
+                    with open(part, "w") as f:
                         f.write(repr(time.time()))
+                    os.replace(part, stamp)
                 os.kill(os.getpid(), signal.SIGKILL)
             depth[0] += 1
             try:
