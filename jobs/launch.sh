@@ -59,21 +59,24 @@ fault_tolerance_setup() {
 
 # Before the launch of a program in a job set up by fault_tolerance_setup with flags: export
 # MPIDIST_FINISHED_DIR, a new folder under $1 (default ${TMPDIR:-/tmp}; on a cluster a folder every
-# node sees), in which each rank whose program ends normally leaves a file (fault_tolerance_verdict).
+# node sees), in which mpidist notes each rank that made a communicator (started-rank<R>) and each
+# whose program ended normally (finished-rank<R>): see fault_tolerance_verdict.
 fault_tolerance_marks() {
   [ -n "${ft_flags[*]:-}" ] || return 0
   MPIDIST_FINISHED_DIR="$(mktemp -d "${1:-${TMPDIR:-/tmp}}/mpidist-finished.XXXXXX")"
   export MPIDIST_FINISHED_DIR
 }
 
-# After a program started after fault_tolerance_marks, whose launcher exited with status $1: set `status`
-# to it, or to 1 when no rank's program ended normally. Open MPI's launcher under --with-ft ulfm
-# exits with 0 even when every rank was killed (a node lost with its MPI daemon: the launcher ends
-# the job; every survivor stopped), which a batch script must not take for success.
+# After a program started after fault_tolerance_marks, whose launcher exited with status $1: set
+# `status` to it, or to 1 when ranks started mpidist and none of their programs ended normally. Open
+# MPI's launcher under --with-ft ulfm exits with 0 even when every rank was killed (a node lost with
+# its MPI daemon: the launcher ends the job; every survivor stopped), which a batch script must not
+# take for success. A program that never used mpidist is not judged.
 fault_tolerance_verdict() {
   status=$1
   [ -n "${MPIDIST_FINISHED_DIR:-}" ] || return 0
-  if [ "$status" = 0 ] && [ -z "$(ls -A "$MPIDIST_FINISHED_DIR" 2>/dev/null)" ]; then
+  if [ "$status" = 0 ] && compgen -G "$MPIDIST_FINISHED_DIR/started-rank*" >/dev/null &&
+     ! compgen -G "$MPIDIST_FINISHED_DIR/finished-rank*" >/dev/null; then
     echo "error: the launcher exited with status 0, but no rank's program ended normally: every rank" \
          "was killed or stopped (a node lost with its MPI daemon ends the whole job under Open MPI;" \
          "see docs/fault-tolerance.md); exit status 1" >&2

@@ -120,6 +120,7 @@ def install_exit_hook() -> None:
     if _state["hooked"]:
         return
     _state["hooked"] = True
+    _note("started")
     previous_exit = sys.exit
 
     def exit(status: Union[str, int, None] = None) -> NoReturn:
@@ -140,21 +141,23 @@ def _at_exit() -> None:
     if code in (None, 0) and not hasattr(sys, "last_value"):
         if missed:
             _exit_failing(missed)
-        _note_finished()
+        _note("finished")
 
 
-def _note_finished() -> None:
-    """Local: this rank's program ended normally: say so in ``$MPIDIST_FINISHED_DIR`` (``rank<R>``), if set.
+def _note(what: str) -> None:
+    """Local: in ``$MPIDIST_FINISHED_DIR``, if set, note that this rank's program ``what`` (``started``: made
+    its first mpidist communicator; ``finished``: ended normally), as the file ``<what>-rank<R>``.
 
     ``jobs/mpirun.sh`` and the batch scripts set it in fault-tolerant jobs,
     whose launcher (Open MPI's under ``--with-ft ulfm``) exits with status 0
     even when every rank was killed (a node lost with its daemon, or every
-    survivor stopped): with no rank finished, the scripts fail instead.
+    survivor stopped): when ranks started and none finished, the scripts fail
+    instead.
     """
     directory = os.environ.get("MPIDIST_FINISHED_DIR")
     if directory:
         try:
-            with open(os.path.join(directory, f"rank{MPI.COMM_WORLD.rank}"), "w"):
+            with open(os.path.join(directory, f"{what}-rank{MPI.COMM_WORLD.rank}"), "w"):
                 pass
         except OSError:  # a directory gone or not writable: the script then reports no rank finished
             pass

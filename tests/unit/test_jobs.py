@@ -132,20 +132,25 @@ def test_fault_tolerance_launch_flags(mpi, setting, flags, finalize):
 
 
 @pytest.mark.parametrize(
-    ("mpi", "finished", "launcher", "expected"),
+    ("mpi", "started", "finished", "launcher", "expected"),
     [
-        ("openmpi", 0, 0, 1),  # every rank killed, the launcher says 0: the script fails
-        ("openmpi", 2, 0, 0),  # survivors finished
-        ("openmpi", 0, 3, 3),  # the launcher's own failure is kept
-        ("mpich", 0, 0, 0),  # no fault-tolerant launch: nothing is checked
+        ("openmpi", 2, 0, 0, 1),  # every rank killed, the launcher says 0: the script fails
+        ("openmpi", 3, 2, 0, 0),  # survivors finished
+        ("openmpi", 2, 0, 3, 3),  # the launcher's own failure is kept
+        ("openmpi", 0, 0, 0, 0),  # a program that never made an mpidist communicator is not judged
+        ("mpich", 0, 0, 0, 0),  # no fault-tolerant launch: nothing is checked
     ],
 )
-def test_fault_tolerance_verdict_fails_a_job_in_which_no_rank_finished(mpi, finished, launcher, expected, tmp_path):
-    """A fault-tolerant launch notes which ranks' programs finished; the launcher's 0 with none becomes 1."""
+def test_fault_tolerance_verdict_fails_a_job_in_which_no_rank_finished(
+    mpi, started, finished, launcher, expected, tmp_path
+):
+    """A fault-tolerant launch notes which ranks started mpidist and which finished; the launcher's 0 with ranks
+    started and none finished becomes 1."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MPIDIST_", "OMPI_MCA_async"))}
     script = (
         f"source {JOBS / 'launch.sh'}; fault_tolerance_setup {mpi}; fault_tolerance_marks {tmp_path}; "
-        f'for r in $(seq 1 {finished}); do touch "$MPIDIST_FINISHED_DIR/rank$r"; done; '
+        f'for r in $(seq 1 {started}); do touch "$MPIDIST_FINISHED_DIR/started-rank$r"; done; '
+        f'for r in $(seq 1 {finished}); do touch "$MPIDIST_FINISHED_DIR/finished-rank$r"; done; '
         f'dir="${{MPIDIST_FINISHED_DIR:-}}"; fault_tolerance_verdict {launcher}; '
         'echo "status=$status left=$([ -n "$dir" ] && [ -d "$dir" ] && echo yes || echo no)"'
     )
