@@ -96,6 +96,7 @@ class RankTrace:
     skipped: int  # lines that were not events (a line cut short when the job was killed)
     complete: bool  # the file ended as written at exit
     world_tracks: dict[int, int]  # tid -> position among this rank's communicators over every rank
+    started: float  # the wall-clock time at which the rank opened the file (0 when the header has none)
 
 
 @dataclasses.dataclass
@@ -141,9 +142,15 @@ class Summary:
 
 
 def read_trace(path: str) -> RankTrace:
-    """Local: one rank's file. A file cut short (a killed job) is read up to its last whole line."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    """Local: one rank's file. A file cut short (a killed job) is read up to its last whole line.
+
+    Raises ``ValueError`` naming the file when it is not a timeline file, or cut short before its header.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a timeline file (not UTF-8 text)") from None
     skipped, complete = 0, True
     try:
         events = json.loads(text)
@@ -157,37 +164,76 @@ def read_trace(path: str) -> RankTrace:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
                 skipped += 1
-    if not isinstance(events, list):
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise ValueError(f"{path}: not a timeline file (a JSON array of trace events)")
     header = next((e for e in events if e.get("name") == "timeline" and e.get("ph") == "i"), None)
     if header is None:
         raise ValueError(f"{path}: not an mpidist timeline file (no 'timeline' event)")
-    info = header["args"]
-    size = int(info["size"])
+    info = header.get("args")
+    try:
+        rank, size, started = int(info["rank"]), int(info["size"]), float(info.get("wall_time", 0.0))
+    except (TypeError, KeyError, ValueError):
+        raise ValueError(
+            f"{path}: not an mpidist timeline file (its 'timeline' event names no rank and size)"
+        ) from None
     world = sorted(
         e["tid"]
         for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name" and e["args"].get("size") == size
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("args", {}).get("size") == size
     )
     return RankTrace(
-        rank=int(info["rank"]),
+        rank=rank,
         size=size,
         host=str(info.get("host", "?")),
         events=events,
         skipped=skipped,
         complete=complete,
         world_tracks={tid: i for i, tid in enumerate(world)},
+        started=started,
     )
 
 
-def read_directory(directory: str) -> dict[int, RankTrace]:
-    """Local: every rank's file in ``directory``, by rank."""
-    traces = {}
+def read_directory(directory: str, notes: Optional[list[str]] = None) -> dict[int, RankTrace]:
+    """Local: every rank's file in ``directory``, by rank, of one job: the one that started last.
+
+    Files that cannot be read, that name another rank than their file name, or that come from a job of
+    another size (left there by an earlier run) are left out, each with a line saying why appended to
+    ``notes`` (when given).
+    """
+    traces: dict[int, RankTrace] = {}
     for path in sorted(glob.glob(os.path.join(directory, _FILE_GLOB))):
-        if _FILE_RANK.search(os.path.basename(path)):
+        named = _FILE_RANK.search(os.path.basename(path))
+        if not named:
+            continue
+        try:
             trace = read_trace(path)
-            traces[trace.rank] = trace
+        except OSError as exc:
+            _note(notes, f"left out {path}: {exc.strerror or exc}")
+            continue
+        except ValueError as exc:  # names the file
+            _note(notes, f"left out {exc}")
+            continue
+        if trace.rank != int(named.group(1)):
+            _note(notes, f"left out {path}: it holds the events of rank {trace.rank}")
+            continue
+        traces[trace.rank] = trace
+    if traces:
+        job = max(traces.values(), key=lambda t: t.started)
+        for rank, trace in sorted(traces.items()):
+            if trace.size != job.size:
+                _note(
+                    notes,
+                    f"left out rank {rank}'s file: it comes from another job, of {trace.size} ranks "
+                    f"(the last job to start had {job.size})",
+                )
+                del traces[rank]
     return traces
+
+
+def _note(notes: Optional[list[str]], line: str) -> None:
+    """Local: ``line`` appended to ``notes``, unless that is ``None``."""
+    if notes is not None:
+        notes.append(line)
 
 
 def agreements(trace: RankTrace) -> dict[tuple[int, int], tuple[float, float, float]]:
@@ -466,9 +512,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Merge, print the table, draw the picture (see :func:`add_arguments`). Local."""
-    traces = read_directory(args.directory)
+    notes: list[str] = []
+    traces = read_directory(args.directory, notes)
+    for line in notes:
+        print(f"note: {line}")
     if not traces:
-        print(f"mpidist timeline: no {_FILE_GLOB} files in {args.directory}: run the job with MPIDIST_TIMELINE set")
+        found = "no timeline file that could be read" if notes else f"no {_FILE_GLOB} files"
+        print(f"mpidist timeline: {found} in {args.directory}: run the job with MPIDIST_TIMELINE set")
         return 1
     size = max(t.size for t in traces.values())
     missing = sorted(set(range(size)) - set(traces))

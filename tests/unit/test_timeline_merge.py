@@ -177,6 +177,61 @@ def test_a_file_that_is_not_a_timeline_is_refused(tmp_path):
         read_trace(str(path))
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b"", b'[\n{"ph": "M", "pid": 1, "na', b"\x88\xff\x00 not text", b"[1, 2, 3]\n", b'{"traceEvents": []}'],
+    ids=["empty", "cut-before-header", "binary", "not-events", "an-object"],
+)
+def test_a_file_that_cannot_be_read_is_left_out_with_a_note_and_the_others_merged(tmp_path, capsys, content):
+    model_job(tmp_path, {0: 0.0, 1: 0.0, 2: 0.0}, slow=2, collectives=20)
+    (tmp_path / "timeline-rank1.json").write_bytes(content)
+    assert main(["timeline", str(tmp_path), "--no-picture"]) == 0
+    printed = capsys.readouterr().out
+    assert f"note: left out {tmp_path / 'timeline-rank1.json'}: not a" in printed, printed
+    assert "note: no file of rank(s) 1: merging the 2 there are" in printed
+    assert "the others waited most for rank 2" in printed
+    assert {e["pid"] for e in json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]} == {0, 2}
+
+
+def test_a_directory_whose_only_file_cannot_be_read_fails_saying_so(tmp_path, capsys):
+    (tmp_path / "timeline-rank0.json").mkdir()
+    assert main(["timeline", str(tmp_path), "--no-picture"]) == 1
+    printed = capsys.readouterr().out
+    assert f"note: left out {tmp_path / 'timeline-rank0.json'}: Is a directory" in printed
+    assert "no timeline file that could be read in" in printed
+
+
+def test_files_of_an_earlier_job_of_another_size_are_left_out(tmp_path, capsys):
+    model_job(tmp_path, {0: 0.0, 1: 0.0, 2: 0.0}, slow=1, collectives=20)  # the earlier job, of 3 ranks
+    later = tmp_path / "later"
+    later.mkdir()
+    model_job(later, {0: 0.0, 1: 0.0, 2: 0.0}, slow=0, collectives=30)
+    for r in (0, 1):  # a later job of 2 ranks overwrote ranks 0 and 1; rank 2's file is the earlier job's
+        events = json.loads((later / f"timeline-rank{r}.json").read_text())
+        events = [e for e in events if e.get("pid") != 2]
+        for e in events:
+            if e.get("name") == "timeline" or e.get("name") == "thread_name":
+                e["args"]["size"] = 2
+            if e.get("name") == "timeline":
+                e["args"]["wall_time"] = 2000.0
+        (tmp_path / f"timeline-rank{r}.json").write_text(json.dumps(events))
+    notes: list = []
+    traces = read_directory(str(tmp_path), notes)
+    assert sorted(traces) == [0, 1]
+    assert notes == ["left out rank 2's file: it comes from another job, of 3 ranks (the last job to start had 2)"]
+    assert main(["timeline", str(tmp_path), "--no-picture"]) == 0
+    printed = capsys.readouterr().out
+    assert "the others waited most for rank 0" in printed and "clock of rank 2" not in printed
+
+
+def test_a_file_that_holds_another_ranks_events_is_left_out(tmp_path):
+    model_job(tmp_path, {0: 0.0, 1: 0.0, 2: 0.0}, slow=1, collectives=10)
+    (tmp_path / "timeline-rank2.json").write_bytes((tmp_path / "timeline-rank0.json").read_bytes())
+    notes: list = []
+    assert sorted(read_directory(str(tmp_path), notes)) == [0, 1]
+    assert notes == [f"left out {tmp_path / 'timeline-rank2.json'}: it holds the events of rank 0"]
+
+
 def test_the_command_line_lists_and_explains_the_command():
     listed = subprocess.run([sys.executable, "-m", "mpidist", "--help"], capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and "timeline" in listed.stdout
