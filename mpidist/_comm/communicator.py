@@ -45,7 +45,15 @@ from mpidist._comm.library import library_version
 from mpidist._comm.outcome import Failures, describe_failures, gather_failures
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.survival import Progress, failed_ranks, progress, readiness, release, revoke, shrink
-from mpidist._comm.timeline import NONBLOCKING, TimedAgreement, TimedTransport, Timeline, Track, open_timeline
+from mpidist._comm.timeline import (
+    NONBLOCKING,
+    TimedAgreement,
+    TimedTransport,
+    Timeline,
+    Track,
+    number_communicator,
+    open_timeline,
+)
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport, duplicate
 from mpidist._comm.tuning import tune_at_run_time
@@ -113,13 +121,14 @@ class Communicator:
                 error, options = exc, Options()
         self.options = options
         self._comm = duplicate(base, options.timeout)
+        world = number_communicator(self._comm.size)  # counted also without a timeline: alike on every rank
         # The timeline this communicator records into (options.timeline), or None: then nothing is recorded.
         self.timeline: Optional[Timeline] = None
         track: Optional[Track] = None
         if options.timeline is not None:
             try:
                 self.timeline = open_timeline(options.timeline)
-                track = self.timeline.track(self._comm.rank, self._comm.size)
+                track = self.timeline.track(self._comm.rank, self._comm.size, world)
             except OSError as exc:  # a directory this rank cannot write: raised on every rank, in the agreement
                 error = error or exc
         try:

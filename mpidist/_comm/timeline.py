@@ -28,7 +28,8 @@ one clock per machine, which the merge aligns across machines. The events:
 
 - metadata (``"ph": "M"``): the process (``pid``: the world rank) and its
   tracks (``tid``): 0 for steps, input and handles' waits, 1, 2, ... for the communicators in
-  the order this rank created them, with their rank and size in ``args``;
+  the order this rank created them, with their rank and size in ``args`` (and ``world``, for
+  a communicator over every rank: its number among those, alike on every rank);
 - ``"timeline"`` (an instant at the start): rank, size, host, the wall-clock
   time and the trace clock at the same moment;
 - a collective: its agreement, an event of category ``"wait"`` (the rank
@@ -82,6 +83,7 @@ __all__ = [
     "TimedTransport",
     "Timeline",
     "Track",
+    "number_communicator",
     "open_timeline",
 ]
 
@@ -100,6 +102,15 @@ _agree_planned = Agreement.agree_planned  # what TimedAgreement.agree_planned ad
 _FIELDS = 5
 _BATCH_ITEMS = BATCH * _FIELDS
 _open: dict[str, Timeline] = {}  # by absolute directory
+_world_communicators = itertools.count(1)  # numbers of the communicators over every rank (number_communicator)
+
+
+def number_communicator(size: int) -> Optional[int]:
+    """Local, for every mpidist communicator this process creates, with a timeline or without: a communicator of
+    ``size`` ranks gets its number among the communicators over every rank, which is the same on every rank (each
+    takes part in creating each of them), or ``None`` when it is smaller. The merge matches the ranks' tracks by
+    it, also where ranks recorded different communicators (the option is local)."""
+    return next(_world_communicators) if size == MPI.COMM_WORLD.size else None
 
 
 def open_timeline(directory: str) -> Timeline:
@@ -172,8 +183,9 @@ class Timeline:
         self._thread = threading.Thread(target=self._write_when_quiet, name="mpidist timeline", daemon=True)
         self._thread.start()
 
-    def track(self, rank: int, size: int) -> Track:
-        """Local: a new track (``tid``) for a communicator of ``size`` ranks in which this rank is ``rank``."""
+    def track(self, rank: int, size: int, world: Optional[int] = None) -> Track:
+        """Local: a new track (``tid``) for a communicator of ``size`` ranks in which this rank is ``rank``;
+        ``world``: its number among the communicators over every rank (:func:`number_communicator`)."""
         with self._lock:
             track = Track(self, len(self._tracks) + 1)
             self._tracks.append(track)
@@ -189,6 +201,7 @@ class Timeline:
                             "communicator": track.tid,
                             "rank": rank,
                             "size": size,
+                            **({} if world is None else {"world": world}),
                         },
                     }
                 )

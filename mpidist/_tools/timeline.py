@@ -95,7 +95,8 @@ class RankTrace:
     events: list[dict[str, Any]]
     skipped: int  # lines that were not events (a line cut short when the job was killed)
     complete: bool  # the file ended as written at exit
-    world_tracks: dict[int, int]  # tid -> position among this rank's communicators over every rank
+    world_tracks: dict[int, int]  # tid -> number among the communicators over every rank (files without
+    # one: the position among this rank's)
     started: float  # the wall-clock time at which the rank opened the file (0 when the header has none)
 
 
@@ -177,7 +178,7 @@ def read_trace(path: str) -> RankTrace:
             f"{path}: not an mpidist timeline file (its 'timeline' event names no rank and size)"
         ) from None
     world = sorted(
-        e["tid"]
+        (e["tid"], e["args"])
         for e in events
         if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("args", {}).get("size") == size
     )
@@ -188,7 +189,7 @@ def read_trace(path: str) -> RankTrace:
         events=events,
         skipped=skipped,
         complete=complete,
-        world_tracks={tid: i for i, tid in enumerate(world)},
+        world_tracks={tid: args.get("world", i) for i, (tid, args) in enumerate(world)},
         started=started,
     )
 

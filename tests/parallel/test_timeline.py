@@ -10,7 +10,7 @@ from mpi4py import MPI
 import mpidist as md
 from mpidist._comm.agreement import Agreement
 from mpidist._comm.transport import Transport
-from mpidist._tools.timeline import read_trace
+from mpidist._tools.timeline import agreements, read_directory, read_trace
 
 pytestmark = pytest.mark.mpi
 
@@ -30,6 +30,37 @@ def test_the_option_may_differ_between_ranks(shared_tmp):
     assert (strategy.communicator.timeline is not None) == (strategy.rank == 0)
     assert np.asarray(strategy.reduce("sum", np.ones(2))).tolist() == [strategy.num_replicas_in_sync] * 2
     strategy.free()
+
+
+def test_the_merge_pairs_the_same_communicator_when_ranks_recorded_different_ones(shared_tmp):
+    # the option is local: rank 0 records a first strategy that the others do not record, then every rank records
+    # a second one; each collective of the second must be paired with the same collective on every rank, not
+    # with rank 0's collectives of the first (its first communicator over every rank, theirs the second)
+    world = MPI.COMM_WORLD
+    first = md.MPIStrategy(device="cpu", timeline=str(shared_tmp) if world.rank == 0 else None)
+    for _ in range(3):
+        first.reduce("sum", {"first": np.ones(2)})
+    first.free()
+    second = md.MPIStrategy(device="cpu", timeline=str(shared_tmp))
+    for _ in range(3):
+        second.reduce("sum", {"second": np.ones(2)})
+    second.free()
+    world.Barrier()  # every file written
+    traces = read_directory(str(shared_tmp))
+    named = {
+        rank: {
+            (world_number, e["args"]["seq"]): e["args"]["name"]
+            for e in trace.events
+            if e.get("cat") == "wait" and (world_number := trace.world_tracks.get(e["tid"])) is not None
+        }
+        for rank, trace in traces.items()
+    }
+    assert sorted(traces) == list(range(world.size))
+    for rank in traces:
+        common = named[0].keys() & named[rank].keys()
+        assert agreements(traces[0]).keys() & agreements(traces[rank]).keys() == common
+        assert "reduce['second']" in {named[rank][k] for k in common}
+        assert all(named[0][k] == named[rank][k] for k in common), (rank, sorted(common))
 
 
 # Every kind of collective, in the order make_every_collective makes them: (the name its events carry, whether its
