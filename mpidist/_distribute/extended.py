@@ -288,12 +288,15 @@ class StrategyExtended:
         return self._comm.alltoall(self.local(value), splits, name="alltoall")
 
     def aggregate(self, aggregation: VariableAggregation, value: Array, name: str) -> Any:
-        """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array)."""
+        """Collective: ``value`` combined across replicas by a variable's ``aggregation`` (a new array).
+
+        Exact whatever the strategy's ``compression``: what a sync-on-read variable reads and saves.
+        """
         local = self.local(value)
         op = _AGGREGATION_OPS[aggregation]
         if op is None:
             return self._comm.broadcast(local.copy(), root=0, name=name)
-        return self._comm.allreduce(local, op, name=name)
+        return self._comm.allreduce(local, op, name=name, compression="none")
 
     def broadcast_from_first(self, array: Array, name: str) -> None:
         """Collective: overwrite ``array`` with replica 0's, in place."""

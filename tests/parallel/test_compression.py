@@ -209,6 +209,37 @@ def test_mirrored_updates(wire):
 
 
 @pytest.mark.parametrize("wire", WIRES)
+def test_the_option_leaves_sync_on_read_reads_and_saves_exact(wire, shared_tmp):
+    # statistics (and the checkpoint that saves them) are read exactly: an fp16 read of these sums, beyond 65504,
+    # would raise NonFiniteError; a bf16 one would round them to 8 bits
+    exact = Communicator(MPI.COMM_WORLD, Options(piece_bytes=4096))
+    s = md.MPIStrategy(piece_bytes=4096, compression=wire)
+    try:
+        with s.scope():
+            total = Variable(
+                np.zeros(1000, np.float32), synchronization=md.VariableSynchronization.ON_READ, aggregation=Agg.SUM
+            )
+            mean = Variable(
+                np.zeros(1000, np.float32), synchronization=md.VariableSynchronization.ON_READ, aggregation=Agg.MEAN
+            )
+        mine = (inputs(s.rank, 1000, scale=10_000.0, salt=3) + np.float32(70_001.5)).astype(np.float32)
+        s.run(lambda: (total.assign(mine), mean.assign(mine)))
+        want_total, want_mean = exact.allreduce(mine, "sum"), exact.allreduce(mine, "mean")
+        with s.scope():
+            np.testing.assert_array_equal(total.read_value(), want_total)
+            np.testing.assert_array_equal(s.read_var(mean), want_mean)
+        np.testing.assert_array_equal(total.numpy(), want_total)
+        path = str(shared_tmp / "ckpt")
+        md.Checkpoint(total=total, mean=mean).save(path)
+        saved = md.read_checkpoint(path)
+        np.testing.assert_array_equal(saved["total"], want_total)
+        np.testing.assert_array_equal(saved["mean"], want_mean)
+    finally:
+        s.free()
+        exact.free()
+
+
+@pytest.mark.parametrize("wire", WIRES)
 def test_fused_lists(comm, wire):
     sizes = [3, 40, 700, 2000, 9]  # small ones share a bucket, large ones run in pieces
     xs = {n: [inputs(r, n, salt=n) for r in range(comm.size)] for n in sizes}
