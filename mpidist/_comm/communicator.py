@@ -71,6 +71,13 @@ def duplicate_world() -> MPI.Intracomm:
     return MPI.COMM_WORLD.Dup()
 
 
+def _named(exc: OSError, message: str) -> OSError:
+    """Local: an error of ``exc``'s class saying ``message`` (which names the rank), with its ``errno``."""
+    named = type(exc)(message)
+    named.errno = exc.errno
+    return named
+
+
 class Communicator:
     """Collectives on arrays over a private duplicate of an MPI communicator.
 
@@ -130,7 +137,7 @@ class Communicator:
                 self.timeline = open_timeline(options.timeline)
                 track = self.timeline.track(self._comm.rank, self._comm.size, world)
             except OSError as exc:  # a directory this rank cannot write: raised on every rank, in the agreement
-                error = error or exc
+                error = error or _named(exc, on_rank(self._comm.rank, f"timeline {options.timeline!r}: {exc.strerror}"))
         try:
             self._transport = (
                 Transport(self._comm, self.options)

@@ -98,12 +98,12 @@ def wire_error(
         return None
     for array, op, name in zip(arrays, ops, names):
         if not applies(wire, op, array.dtype):
-            op_name = "rank 0's value" if op is None else op.name
+            reduction = "rank 0's value (no reduction)" if op is None else f"a {op.name}"
             return ValueError(
                 on_rank(
                     rank,
-                    f"{what}: compression={wire!r} applies to SUM and MEAN of float32 only; {name!r} is a "
-                    f"{op_name} of {array.dtype}. Reduce it exactly "
+                    f"{what}: compression={wire!r} applies to SUM and MEAN of float32 only; {name!r} is "
+                    f"{reduction} of {array.dtype}. Reduce it exactly "
                     "(compression='none'), or set the compression on the strategy, which leaves such "
                     "reductions exact",
                 )

@@ -300,6 +300,10 @@ def test_an_explicit_request_on_what_cannot_be_compressed_raises_everywhere(comm
         comm.allreduce(np.ones(50), "sum", name="d", compression="fp16")
     with pytest.raises(ValueError, match="'m' is a MAX of float32"):
         comm.allreduce(np.ones(50, np.float32), "max", name="m", compression="bf16")
+    first, target = np.ones(4, np.float32), np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=r"'w' is rank 0's value \(no reduction\) of float32\. Reduce it exactly"):
+        comm.reduce_apply((first,), (target,), (None,), lambda t, r: t.__iadd__(r), ("w",), compression="fp16")
+    assert not target.any()  # nothing applied
     with pytest.raises(ValueError, match="compression must be 'fp16', 'bf16', 'none' or None, got 'fp8'"):
         comm.allreduce(np.ones(50, np.float32), compression="fp8")
     comm.barrier()

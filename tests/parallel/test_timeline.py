@@ -32,6 +32,21 @@ def test_the_option_may_differ_between_ranks(shared_tmp):
     strategy.free()
 
 
+def test_a_timeline_that_cannot_be_written_raises_on_every_rank_naming_the_rank(shared_tmp):
+    blocker = shared_tmp / "a-file"
+    if MPI.COMM_WORLD.rank == 0:
+        blocker.write_text("not a directory")
+    MPI.COMM_WORLD.Barrier()
+    mine = str(blocker) if MPI.COMM_WORLD.rank == 0 else None  # rank 0 alone asks for a path it cannot use
+    with pytest.raises((FileExistsError, md.CollectiveMismatchError)) as caught:
+        md.MPIStrategy(device="cpu", timeline=mine, abort_on_error=False)
+    if MPI.COMM_WORLD.rank == 0:
+        assert caught.type is FileExistsError and caught.value.errno == 17
+        assert str(caught.value) == f"rank 0: timeline {str(blocker)!r}: File exists"
+    else:
+        assert "rank 0" in str(caught.value) and "File exists" in str(caught.value)
+
+
 def test_the_merge_pairs_the_same_communicator_when_ranks_recorded_different_ones(shared_tmp):
     # the option is local: rank 0 records a first strategy that the others do not record, then every rank records
     # a second one; each collective of the second must be paired with the same collective on every rank, not
