@@ -383,7 +383,7 @@ def format_table(summaries: Sequence[Summary], offsets: dict[int, Offset]) -> st
                 f"and +{human_time((offset.upper_us - offset.offset_us) / 1e6)} of it"
             )
         else:
-            bound = "causality contradicts it: did a clock jump?"
+            bound = "causality contradicts it: did a clock jump, or is this file from another job?"
         lines.append(
             f"clock of rank {rank}: {offset.offset_us / 1e6:+.6f} s against rank {reference}{drift}, "
             f"+- {human_time(offset.spread_us / 1e6)} ({offset.matched} collectives; {bound})"
