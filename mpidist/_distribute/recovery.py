@@ -58,14 +58,25 @@ class Snapshot:
         self.state: dict[str, Any] = {}
         self._copies: dict[int, tuple[weakref.ref[DistributedVariable], Array]] = {}
 
-    def take(self, variables: list[DistributedVariable], state: dict[str, Any]) -> None:
+    def take(self, variables: list[DistributedVariable], state: dict[str, Any], rank: int) -> None:
         """Local: copy every mirrored variable (into the buffers of the last snapshot) and keep ``state``.
 
         ``state`` must be JSON-serialisable (numbers, strings, lists and dicts
         of them, such as an input iterator's ``get_state()``): the survivors
-        receive it from the one whose snapshot they return to.
+        receive it from the one whose snapshot they return to. Anything else
+        raises ``TypeError`` naming the keyword (``rank``: this rank's, for the message).
         """
-        json.dumps(state)  # refused here, on this rank, rather than in the survivors' recovery
+        for key, value in state.items():  # refused here, on this rank, rather than in the survivors' recovery
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(
+                    on_rank(
+                        rank,
+                        f"strategy.snapshot({key}=...): the state must be JSON values (numbers, strings, lists and "
+                        f"dicts of them, such as an iterator's get_state()), got {type(value).__name__}: {exc}",
+                    )
+                ) from exc
         copies: dict[int, tuple[weakref.ref[DistributedVariable], Array]] = {}
         for v in variables:
             if not isinstance(v, MirroredVariable):
@@ -97,22 +108,28 @@ def recover(communicator: Communicator, variables: list[DistributedVariable], sn
         raise communicator.cut_off
     failure = communicator.last_failure
     if failure is None:
-        raise RuntimeError(
-            on_rank(
-                communicator.rank,
-                "strategy.recover() is for the survivors of a RankFailedError; no rank of this strategy died "
-                "since it was created or last recovered",
-            )
+        why = (
+            "no rank of this strategy died since it was created or last recovered"
+            if communicator.options.fault_tolerance
+            else "this strategy's fault_tolerance is off, so its communicator is not rebuilt over the survivors "
+            "(create the strategy with fault_tolerance=True, or set MPIDIST_FAULT_TOLERANCE=1)"
         )
-    for v in variables:  # the dead ranks' parts of sync-on-read values are lost: their reads will say so
-        if isinstance(v, SyncOnReadVariable):
-            v.lost_ranks = tuple(sorted({*v.lost_ranks, *failure.failed_ranks}))
+        raise RuntimeError(
+            on_rank(communicator.rank, f"strategy.recover() is for the survivors of a RankFailedError; {why}")
+        )
+    # the ranks alive after the failure, numbered as before it (as the RankFailedError the program caught names them)
+    alive = [r for r in range(len(failure.progress.seq) + len(failure.failed_ranks)) if r not in failure.failed_ranks]
+    dead = failure.failed_ranks
     for _ in range(_TRIES):
-        for v in variables:
+        for v in variables:  # the dead ranks' parts of sync-on-read values are lost: their reads will say so
+            if isinstance(v, SyncOnReadVariable):
+                v.lost_ranks = tuple(sorted({*v.lost_ranks, *dead}))
             renumber_replica(v, communicator.rank)
         try:
             state = _restore(communicator, variables, snapshot)
-        except RankFailedError:
+        except RankFailedError as again:  # more ranks died meanwhile: their parts are lost too
+            dead = [alive[r] for r in again.failed_ranks]
+            alive = [r for r in alive if r not in dead]
             continue
         communicator.last_failure = None
         return state

@@ -149,7 +149,7 @@ class MPIStrategy:
         them took and returns its ``state``. Only with ``fault_tolerance``
         does a snapshot serve; it costs the copy either way.
         """
-        self._snapshot.take(self._extended.variables(), state)
+        self._snapshot.take(self._extended.variables(), state, self.rank)
 
     def recover(self) -> dict[str, Any]:
         """Collective over the survivors, after :class:`~mpidist.RankFailedError`: carry on with them.
@@ -166,7 +166,7 @@ class MPIStrategy:
         datasets are bound to the old ranks: distribute them again and
         continue from the position in ``state`` (``iterator_from_state``).
         Should more ranks die meanwhile, it recovers from that too. Raises
-        ``RuntimeError`` when no rank died. See docs/fault-tolerance.md.
+        ``RuntimeError`` when no rank died (or fault tolerance is off). See docs/fault-tolerance.md.
         """
         checked_collective_context(self, "strategy.recover")
         state = recover(self._communicator, self._extended.variables(), self._snapshot)

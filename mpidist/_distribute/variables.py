@@ -439,8 +439,9 @@ class SyncOnReadVariable(DistributedVariable, PerReplica, ComponentOperators):
 
     policy = OnReadPolicy()
     _warned_not_restorable = False  # set on the variable by the first warning
-    # the ranks (numbered as before their death) whose components were lost since the value was last set whole
-    # (a cross-replica assign, a metric's reset_state): set by strategy.recover(); a read then warns, once
+    # the ranks whose components were lost since the value was last set whole (a cross-replica assign, a metric's
+    # reset_state), numbered as the RankFailedError that strategy.recover() handled named its dead (ranks that died
+    # during that recovery too): set by recover(); a read then warns, once
     lost_ranks: tuple[int, ...] = ()
     _warned_lost: tuple[int, ...] = ()
 

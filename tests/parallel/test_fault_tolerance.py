@@ -116,6 +116,24 @@ def test_survivors_carry_on(n, scenario, victim, what, count, node_size, tmp_pat
             assert {size for *_, size in outcome["sums"]} == {n, n - 1}, outcome["sums"]
 
 
+def test_a_death_during_the_recovery_is_recovered_from_and_its_metric_part_counted_lost(tmp_path):
+    """Rank 1 of 4 killed inside a step, rank 3 as it would call recover(): ranks 0 and 2 meet the second death
+    inside their recovery, recover from it too and finish every step once; the metric says it lacks the parts of
+    both dead ranks (numbered as the RankFailedError the program caught names them), not only the first's."""
+    result, seen, _ = launch(4, "mirrored", "1:agreement:13", tmp_path, FT_DIE_IN_RECOVERY="3")
+    if not OPEN_MPI:
+        assert result.returncode not in (0, None), result.describe()
+        return
+    assert result.returncode == 0 and sorted(seen) == [0, 2], result.describe()
+    for old, outcome in seen.items():
+        assert outcome["final_size"] == 2 and outcome["final_rank"] == [0, 2].index(old), outcome
+        [failure] = outcome["failures"]
+        assert failure["failed_ranks"] == [1] and failure["size"] == 3, failure
+        assert outcome["check"] == {} and (outcome["a"], outcome["b"]) == (36.0, 72.0), outcome
+        [lost] = outcome["lost"]
+        assert "lacks the parts of ranks 1, 3, which died" in lost, outcome
+
+
 @pytest.mark.parametrize("count", [9, 10])  # rank 3 killed in its set's collective, or in the whole's
 def test_process_sets_recover_each_on_its_own(count, tmp_path):
     """Sets {0, 1} and {2, 3}, rank 3 killed: the set that lost it and the whole strategy each raise in their own

@@ -41,10 +41,23 @@ def test_recover_without_a_failure_is_refused_on_every_rank(strategy):
     strategy.barrier()  # still usable
 
 
+def test_recover_with_fault_tolerance_off_says_so_on_every_rank():
+    """Off, a dead rank leaves the survivors a CommError and nothing to recover: recover() says the mode is off
+    rather than that no rank died."""
+    plain = MPIStrategy(device="cpu", abort_on_error=False, timeout=30)
+    try:
+        with pytest.raises(RuntimeError, match="fault_tolerance is off") as raised:
+            plain.recover()
+        assert str(raised.value).startswith(f"rank {plain.rank}: ") and "no rank" not in str(raised.value)
+        plain.barrier()  # still usable
+    finally:
+        plain.free()
+
+
 def test_a_snapshot_takes_only_json_state(strategy):
     strategy.snapshot(epoch=1, position={"offset": 60})
-    with pytest.raises(TypeError):
-        strategy.snapshot(epoch=np.zeros(2))
+    with pytest.raises(TypeError, match=rf"^rank {strategy.rank}: strategy.snapshot\(epoch=...\): .* got ndarray"):
+        strategy.snapshot(step=3, epoch=np.zeros(2))
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])

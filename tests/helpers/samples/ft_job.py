@@ -7,13 +7,15 @@ the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pip
 8 MiB reduction in 64 pieces; with ``FT_NODE_SIZE=k`` two-level, over "nodes" of ``k`` ranks),
 ``mirrored`` (steps of two mirrored variables' updates, with a snapshot at the start of each),
 ``compressed`` (a 4 MiB float32 mirrored update sent in bfloat16), ``split`` (process sets of two ranks),
-``stuck`` (the survivors' shrink never returns).
+``stuck`` (the survivors' shrink never returns). ``FT_DIE_IN_RECOVERY=R``: rank ``R`` dies (SIGKILL) as it
+would call ``strategy.recover()``, so that the other survivors meet a second death inside their recovery.
 Every survivor carries on after ``strategy.recover()`` and writes its outcome as JSON to
 ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
 
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -175,6 +177,8 @@ while step < steps:
             outcome["error"] = f"{type(failure).__name__}: {failure}"
             break
         raised = time.time()
+        if os.environ.get("FT_DIE_IN_RECOVERY") == str(first_rank):  # a second death, met in the others' recover()
+            os.kill(os.getpid(), signal.SIGKILL)
         state = strategy.recover()
         step = state.get("step", step)
         outcome["failures"].append(
