@@ -98,11 +98,15 @@ class Snapshot:
         return kept[1] if kept is not None and kept[0]() is variable else None
 
 
-def recover(communicator: Communicator, variables: list[DistributedVariable], snapshot: Snapshot) -> dict[str, Any]:
+def recover(
+    communicator: Communicator, variables: list[DistributedVariable], snapshot: Snapshot, origins: list[int]
+) -> dict[str, Any]:
     """Collective over the survivors, after :class:`~mpidist.RankFailedError`: make them alike again.
 
     Returns the state saved with the snapshot they returned to (``{}``
     without one). A further failure meanwhile is recovered from too.
+    ``origins`` (each rank's rank when the strategy was created, by its rank
+    now) loses the dead ranks; the sync-on-read variables name them by it.
     """
     if communicator.cut_off is not None:  # this side stops: no recovery
         raise communicator.cut_off
@@ -117,19 +121,18 @@ def recover(communicator: Communicator, variables: list[DistributedVariable], sn
         raise RuntimeError(
             on_rank(communicator.rank, f"strategy.recover() is for the survivors of a RankFailedError; {why}")
         )
-    # the ranks alive after the failure, numbered as before it (as the RankFailedError the program caught names them)
-    alive = [r for r in range(len(failure.progress.seq) + len(failure.failed_ranks)) if r not in failure.failed_ranks]
     dead = failure.failed_ranks
     for _ in range(_TRIES):
+        lost = [origins[r] for r in dead]
+        origins[:] = [o for r, o in enumerate(origins) if r not in dead]
         for v in variables:  # the dead ranks' parts of sync-on-read values are lost: their reads will say so
             if isinstance(v, SyncOnReadVariable):
-                v.lost_ranks = tuple(sorted({*v.lost_ranks, *dead}))
+                v.lost_ranks = tuple(sorted({*v.lost_ranks, *lost}))
             renumber_replica(v, communicator.rank)
         try:
             state = _restore(communicator, variables, snapshot)
         except RankFailedError as again:  # more ranks died meanwhile: their parts are lost too
-            dead = [alive[r] for r in again.failed_ranks]
-            alive = [r for r in alive if r not in dead]
+            dead = list(again.failed_ranks)
             continue
         communicator.last_failure = None
         return state

@@ -90,6 +90,7 @@ class MPIStrategy:
         self._extended = StrategyExtended(self, communicator, self.options)
         self._stopper = Stopper(communicator)
         self._snapshot = Snapshot()
+        self._origins = list(range(communicator.size))  # by rank now: its rank when created (ranks may die)
         self._number = next(MPIStrategy._created)
         # the strategies whose scope (or run) this one's scope may be entered in: those it was split from
         self._outer: tuple[MPIStrategy, ...] = () if parent is None else (parent, *parent._outer)
@@ -169,7 +170,7 @@ class MPIStrategy:
         ``RuntimeError`` when no rank died (or fault tolerance is off). See docs/fault-tolerance.md.
         """
         checked_collective_context(self, "strategy.recover")
-        state = recover(self._communicator, self._extended.variables(), self._snapshot)
+        state = recover(self._communicator, self._extended.variables(), self._snapshot, self._origins)
         if self._own_comm:  # the duplicate of MPI.COMM_WORLD made for the user: one of the survivors instead
             dead, self.comm = self.comm, duplicate(self._communicator.mpi_comm, self.options.timeout)
             release(dead)

@@ -440,8 +440,8 @@ class SyncOnReadVariable(DistributedVariable, PerReplica, ComponentOperators):
     policy = OnReadPolicy()
     _warned_not_restorable = False  # set on the variable by the first warning
     # the ranks whose components were lost since the value was last set whole (a cross-replica assign, a metric's
-    # reset_state), numbered as the RankFailedError that strategy.recover() handled named its dead (ranks that died
-    # during that recovery too): set by recover(); a read then warns, once
+    # reset_state), numbered as the strategy's ranks were when it was created: set by strategy.recover(); a read
+    # then warns, once
     lost_ranks: tuple[int, ...] = ()
     _warned_lost: tuple[int, ...] = ()
 
@@ -454,8 +454,9 @@ class SyncOnReadVariable(DistributedVariable, PerReplica, ComponentOperators):
                 on_rank(
                     self.strategy.rank,
                     f"SyncOnReadVariable {self.name!r} lacks the part{'s' if many else ''} of rank"
-                    f"{'s' if many else ''} {', '.join(map(str, self.lost_ranks))}, which died: its value counts "
-                    "only what the survivors held. Assign it (a metric: reset_state()) to count afresh.",
+                    f"{'s' if many else ''} {', '.join(map(str, self.lost_ranks))}, which died (numbered as when the "
+                    "strategy was created): its value counts only what the survivors held. Assign it (a metric: "
+                    "reset_state()) to count afresh.",
                 ),
                 RuntimeWarning,
                 stacklevel=4,

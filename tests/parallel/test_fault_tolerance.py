@@ -134,6 +134,21 @@ def test_a_death_during_the_recovery_is_recovered_from_and_its_metric_part_count
         assert "lacks the parts of ranks 1, 3, which died" in lost, outcome
 
 
+def test_a_metric_names_the_ranks_lost_in_two_failures_as_the_strategy_numbered_them(tmp_path):
+    """Rank 1 of 4 killed, the survivors recover; then rank 3 (rank 2 of the 3 survivors) dies: the metric, not
+    reset in between, lacks the parts of ranks 1 and 3 and names them so, not rank 2, which is alive."""
+    result, seen, _ = launch(4, "mirrored", "1:agreement:13", tmp_path, FT_DIE_AFTER_RECOVERY="3")
+    if not OPEN_MPI:
+        assert result.returncode not in (0, None), result.describe()
+        return
+    assert result.returncode == 0 and sorted(seen) == [0, 2], result.describe()
+    for outcome in seen.values():
+        assert [f["failed_ranks"] for f in outcome["failures"]] == [[1], [2]], outcome  # each as numbered before it
+        assert outcome["check"] == {} and (outcome["a"], outcome["b"]) == (36.0, 72.0), outcome
+        [lost] = outcome["lost"]
+        assert "lacks the parts of ranks 1, 3, which died (numbered as when the strategy was created)" in lost, lost
+
+
 @pytest.mark.parametrize("count", [9, 10])  # rank 3 killed in its set's collective, or in the whole's
 def test_process_sets_recover_each_on_its_own(count, tmp_path):
     """Sets {0, 1} and {2, 3}, rank 3 killed: the set that lost it and the whole strategy each raise in their own

@@ -8,7 +8,8 @@ the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pip
 ``mirrored`` (steps of two mirrored variables' updates, with a snapshot at the start of each),
 ``compressed`` (a 4 MiB float32 mirrored update sent in bfloat16), ``split`` (process sets of two ranks),
 ``stuck`` (the survivors' shrink never returns). ``FT_DIE_IN_RECOVERY=R``: rank ``R`` dies (SIGKILL) as it
-would call ``strategy.recover()``, so that the other survivors meet a second death inside their recovery.
+would call ``strategy.recover()``, so that the other survivors meet a second death inside their recovery;
+``FT_DIE_AFTER_RECOVERY=R``: rank ``R`` dies at the start of its first step after it recovered.
 Every survivor carries on after ``strategy.recover()`` and writes its outcome as JSON to
 ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
@@ -158,6 +159,8 @@ step, steps = 0, 0 if scenario in ("input", "inplace", "update", "compressed", "
 while step < steps:
     try:
         started = time.time()
+        if outcome["failures"] and os.environ.get("FT_DIE_AFTER_RECOVERY") == str(first_rank):
+            os.kill(os.getpid(), signal.SIGKILL)  # a second failure, after the survivors recovered from the first
         if scenario in ("mirrored", "checkpoint"):
             strategy.snapshot(step=step)
             strategy.run(mirrored_step, args=(float(step + 1),))
