@@ -68,7 +68,6 @@ from mpidist._comm.transport import Transport
 from mpidist._dtypes import is_bfloat16
 from mpidist._errors import (
     CollectiveMismatchError,
-    CommError,
     MpidistError,
     NonFiniteError,
     RankLeftError,
@@ -574,7 +573,7 @@ class Agreement:
             return None if carried is None else carried.reshape(out.shape)
         t = self.transport
         if t.broken is not None:
-            raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
+            raise t.unusable()
         t.seq = seq = t.seq + 1
         if carry:
             into[...] = data
@@ -650,7 +649,7 @@ class Agreement:
         """
         t = self.transport
         if t.broken is not None:
-            raise CommError(on_rank(t.rank, f"communicator unusable: {t.broken}"))
+            raise t.unusable()
         t.seq += 1
         send = self._send
         if error is not None:

@@ -175,6 +175,9 @@ class Communicator:
             self._record_nonblocking(track)
         self.last_failure: Optional[Failure] = None
         self.cut_off: Optional[CommError] = None  # this rank's side of a failure stopped (CutOffError)
+        # set by an owner that must make the survivors alike before they go on (a strategy: its recover()):
+        # after a failure every collective refuses until release_hold()
+        self.hold_after_failure = False
         if options.fault_tolerance:
             self._transport.on_peer_failure = self._survive
             self._reduce_data = self._reduce_data_whole  # type: ignore[method-assign]  # nothing changes when off
@@ -281,7 +284,25 @@ class Communicator:
         error.__cause__ = exc
         for handle in handles:
             handle.abandon(error)
+        if self.hold_after_failure:  # every collective until release_hold() raises the failure again
+            t.broken = "ranks died, not yet recovered from"
+            t.refusal = lambda: RankFailedError(
+                on_rank(
+                    self.rank,
+                    f"rank{'s' if many else ''} {format_ranks(failed)} died (collective #{seq}), and this strategy "
+                    "has not recovered yet: every survivor calls strategy.recover() before any other collective "
+                    "of the strategy. See docs/fault-tolerance.md.",
+                ),
+                failed,
+                self.size,
+            )
         return error
+
+    def release_hold(self) -> None:
+        """Local: the collectives that :attr:`hold_after_failure` refused since the last failure may run again
+        (the owner is about to make the survivors alike)."""
+        if self.last_failure is not None and self.cut_off is None:
+            self._transport.broken = self._transport.refusal = None
 
     def _cut_off(self, old_rank: int, failed: list[int], what: str, seq: int, handles: list[Handle]) -> CommError:
         """Local (error path): this rank's side of a failure may not carry on; every later collective raises."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -73,6 +73,7 @@ class Deadline:
     size: int
     seq: int  # the collective in progress, told to ranks that ask
     broken: Optional[str]  # set when the deadline passed: the communicator is unusable
+    refusal: Optional[Callable[[], CommError]]  # while broken: the error its collectives raise (None: unusable)
     # Give the core up between tests while waiting (set by the communicator, measured per MPI:
     # with more ranks than cores it pays under MPICH; Open MPI's progress does better spinning).
     yield_while_waiting: bool
@@ -88,6 +89,12 @@ class Deadline:
     def error(self, what: str, exc: MPI.Exception) -> CommError:
         """Local: the error to raise for MPI's ``exc`` in ``what`` (the transport's translation)."""
         raise NotImplementedError
+
+    def unusable(self) -> CommError:
+        """Local (error path): the error for a collective while :attr:`broken` is set."""
+        if self.refusal is not None:
+            return self.refusal()
+        return CommError(on_rank(self.rank, f"communicator unusable: {self.broken}"))
 
     def poll(self, request: MPI.Request, what: object) -> None:
         """Local: complete one request of a collective, honouring ``options.timeout``.
@@ -114,7 +121,7 @@ class Deadline:
             if request.Test():
                 return
             if self.broken is not None:  # after a deadline or a departure nothing completes: never wait again
-                raise CommError(on_rank(self.rank, f"communicator unusable: {self.broken}"))
+                raise self.unusable()
             timeout = self.options.timeout
             start = time.perf_counter()
             if timeout is None:

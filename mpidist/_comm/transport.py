@@ -57,6 +57,7 @@ class Transport(Deadline):
         self.size = comm.size
         self.seq = 0  # number of the collective in progress (the last one begun)
         self.broken = None
+        self.refusal = None
         self.yield_while_waiting = False
         self.queries = 0
         self.replies: list[MPI.Request] = []
@@ -82,6 +83,7 @@ class Transport(Deadline):
         self.size = comm.size
         self.seq = 0
         self.broken = None
+        self.refusal = None
         self.replies = []
         self.stranded = []
         self.handles = {}
@@ -121,7 +123,7 @@ class Transport(Deadline):
     def begin(self) -> int:
         """Local: number the next collective (raises if the communicator is unusable)."""
         if self.broken is not None:
-            raise CommError(on_rank(self.rank, f"communicator unusable: {self.broken}"))
+            raise self.unusable()
         self.seq += 1
         return self.seq
 

@@ -123,6 +123,7 @@ def recover(
         )
     dead = failure.failed_ranks
     for _ in range(_TRIES):
+        communicator.release_hold()  # the strategy's collectives were refused since the failure
         lost = [origins[r] for r in dead]
         origins[:] = [o for r, o in enumerate(origins) if r not in dead]
         for v in variables:  # the dead ranks' parts of sync-on-read values are lost: their reads will say so

@@ -84,6 +84,7 @@ class MPIStrategy:
     ) -> None:
         """Local: the strategy around ``communicator``, whose ranks ``comm`` spans (freed with it if ``own_comm``)."""
         self._communicator = communicator
+        communicator.hold_after_failure = True  # after ranks died, nothing runs before recover()
         self.options = communicator.options
         self._own_comm = own_comm
         self.comm = comm
@@ -157,7 +158,8 @@ class MPIStrategy:
 
         The strategy already runs over the survivors (renumbered in their old
         order: :attr:`rank` and :attr:`num_replicas_in_sync` say where this
-        rank stands now). This makes what they hold alike again: with
+        rank stands now), but until this call its collectives raise the
+        ``RankFailedError`` again. This makes what they hold alike: with
         :meth:`snapshot`, every survivor returns to the newest snapshot any of
         them took (its mirrored variables, bit for bit) and gets its
         ``state``; without, every mirrored variable takes the values of a

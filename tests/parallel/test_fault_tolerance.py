@@ -149,6 +149,22 @@ def test_a_metric_names_the_ranks_lost_in_two_failures_as_the_strategy_numbered_
         assert "lacks the parts of ranks 1, 3, which died (numbered as when the strategy was created)" in lost, lost
 
 
+def test_the_strategy_refuses_collectives_until_it_recovered(tmp_path):
+    """Survivors that call the strategy's collectives before recover() (a reduction, a mirrored update, a
+    metric's read) get the RankFailedError again, naming the dead rank and recover(), and nothing runs; after
+    recover() every step lands exactly once."""
+    result, seen, _ = launch(4, "mirrored", "1:agreement:13", tmp_path, FT_COLLECTIVES_BEFORE_RECOVERY="1")
+    if not OPEN_MPI:
+        assert result.returncode not in (0, None), result.describe()
+        return
+    assert result.returncode == 0 and sorted(seen) == [0, 2, 3], result.describe()
+    for outcome in seen.values():
+        assert len(outcome["refused"]) == 3 and "ran" not in outcome["refused"], outcome
+        for failed, message in outcome["refused"]:
+            assert failed == [1] and "has not recovered yet: every survivor calls strategy.recover()" in message
+        assert outcome["check"] == {} and (outcome["a"], outcome["b"]) == (36.0, 72.0), outcome
+
+
 @pytest.mark.parametrize("count", [9, 10])  # rank 3 killed in its set's collective, or in the whole's
 def test_process_sets_recover_each_on_its_own(count, tmp_path):
     """Sets {0, 1} and {2, 3}, rank 3 killed: the set that lost it and the whole strategy each raise in their own

@@ -10,6 +10,8 @@ the counted moment. Scenarios: ``allreduce`` (small reductions in a loop), ``pip
 ``stuck`` (the survivors' shrink never returns). ``FT_DIE_IN_RECOVERY=R``: rank ``R`` dies (SIGKILL) as it
 would call ``strategy.recover()``, so that the other survivors meet a second death inside their recovery;
 ``FT_DIE_AFTER_RECOVERY=R``: rank ``R`` dies at the start of its first step after it recovered.
+``FT_COLLECTIVES_BEFORE_RECOVERY=1``: every survivor first tries collectives of the strategy without
+``recover()`` (a reduction, a mirrored update, a metric's read) and records how each was refused.
 Every survivor carries on after ``strategy.recover()`` and writes its outcome as JSON to
 ``$FT_OUT/rank<R>.json`` (``R``: its rank before the failure).
 """
@@ -182,6 +184,18 @@ while step < steps:
         raised = time.time()
         if os.environ.get("FT_DIE_IN_RECOVERY") == str(first_rank):  # a second death, met in the others' recover()
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("FT_COLLECTIVES_BEFORE_RECOVERY") and "refused" not in outcome:
+            outcome["refused"] = []
+            for attempt in (
+                lambda: strategy.reduce("sum", np.ones(3)),
+                lambda: strategy.run(lambda: a.assign_add(np.ones(size))),
+                seen.result,
+            ):
+                try:
+                    attempt()
+                    outcome["refused"].append("ran")
+                except md.RankFailedError as refused:
+                    outcome["refused"].append([list(refused.failed_ranks), str(refused)])
         state = strategy.recover()
         step = state.get("step", step)
         outcome["failures"].append(
