@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from types import FrameType
 from typing import Optional
 
-__all__ = ["Site", "call_site", "caller", "site_text"]
+__all__ = ["Site", "call_site", "caller", "site_text", "warn_at_caller"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # mpidist/, spelt as code objects spell it
 _EXAMPLES = _PACKAGE + "examples" + os.sep
@@ -48,3 +49,12 @@ def site_text(site: Site) -> str:
     except ValueError:  # another drive (Windows)
         relative = name
     return f"{name if relative.startswith(os.pardir) else relative}:{line}"
+
+
+def warn_at_caller(message: str) -> None:
+    """Local: a :class:`RuntimeWarning` shown at the program's call into mpidist (its ``file:line``)."""
+    found = caller()
+    if found is None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    else:
+        warnings.warn_explicit(message, RuntimeWarning, *found)

@@ -23,7 +23,6 @@ import dataclasses
 import os
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Union
 
@@ -35,6 +34,7 @@ from mpidist._comm.abort import install_exit_hook, leave_alone
 from mpidist._comm.agreement import Agreement, Call, Kind, validate, validate_out
 from mpidist._comm.algorithms import Algorithms
 from mpidist._comm.backend import HALF_FLOATS, Backend, array_module, as_array, is_device_array
+from mpidist._comm.call_site import warn_at_caller
 from mpidist._comm.compression import Compression, applies as compressed, wire_error, wire_of
 from mpidist._comm.cuda_aware import resolve_cuda_aware
 from mpidist._comm.exchange import Exchange, mpi_datatype, offsets, send_counts
@@ -183,9 +183,7 @@ class Communicator:
             self._reduce_data = self._reduce_data_whole  # type: ignore[method-assign]  # nothing changes when off
             ready, why = readiness()
             if not ready and self.rank == 0:
-                warnings.warn(
-                    on_rank(0, f"fault_tolerance is on, but dead ranks will {why}"), RuntimeWarning, stacklevel=2
-                )
+                warn_at_caller(on_rank(0, f"fault_tolerance is on, but dead ranks will {why}"))
 
     def _record_nonblocking(self, track: Track) -> None:
         """Local: the nonblocking collectives, as this object's own attributes, recorded on ``track``."""

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
 
-from mpidist._comm.call_site import Site, call_site, caller, site_text
+from mpidist._comm.call_site import Site, call_site, site_text, warn_at_caller
 from mpidist._errors import CollectiveTimeoutError, CommError, format_ranks, on_rank
 from mpidist._options import Options
 
@@ -157,7 +156,7 @@ class Deadline:
                     where = self._whereabouts(places, missing, last)
                     if now < deadline:
                         warned = True
-                        _warn_at_caller(
+                        warn_at_caller(
                             on_rank(
                                 self.rank,
                                 f"still waiting after {now - begun:.3g} s in {what} (collective #{self.seq}); {where}",
@@ -284,15 +283,6 @@ class Deadline:
         elif n not in (self.seq, self.seq - 1):
             return "", ""
         return (site_text(site), str(call)) if call is not None else ("", "")
-
-
-def _warn_at_caller(message: str) -> None:
-    """Local: a :class:`RuntimeWarning` shown at the program's call into mpidist (its ``file:line``)."""
-    found = caller()
-    if found is None:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    else:
-        warnings.warn_explicit(message, RuntimeWarning, *found)
 
 
 def whereabouts_text(places: dict[int, tuple[int, str, str]], missing: list[int], last: tuple[int, str, str]) -> str:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mpidist import MPIStrategy, Variable
+from mpidist._comm.survival import readiness
 
 pytestmark = pytest.mark.mpi
 
@@ -33,6 +34,23 @@ def test_collectives_and_updates_land_whole(strategy):
     strategy.communicator.allreduce(buffer, inplace=True, name="buffer")  # through a copy, then written
     assert np.all(buffer == n * (n + 1) / 2)
     assert strategy.communicator.last_failure is None
+
+
+def test_the_warning_that_dead_ranks_end_the_job_points_at_the_program():
+    """Where the job cannot survive a dead rank (not started with --with-ft ulfm, or MPICH), rank 0 says so once,
+    at the program's line that made the strategy, not inside mpidist."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = MPIStrategy(device="cpu", fault_tolerance=True, abort_on_error=False, timeout=30)  # the line shown
+    made.free()
+    said = [w for w in caught if "fault_tolerance is on, but dead ranks will" in str(w.message)]
+    if made.rank != 0 or readiness()[0]:
+        assert said == []
+    else:
+        [warning] = said
+        assert (warning.filename, warning.category) == (__file__, RuntimeWarning)
+        with open(__file__) as source:
+            assert "# the line shown" in source.read().splitlines()[warning.lineno - 1]
 
 
 def test_recover_without_a_failure_is_refused_on_every_rank(strategy):
