@@ -8,7 +8,7 @@ subdirectory per kept save, numbered in the order they were made::
         manifest.json          names, kinds, shapes, dtypes, aggregation, world size, CRC-32s
         0000-bias.npy          one standard .npy file per array
         0001-weights.npy
-      ckpt-000008/ ...         the newest complete one is "the checkpoint at path"
+      ckpt-000008/ ...         the newest one is "the checkpoint at path"
       .tmp-ckpt-000009-1a2b/   a save in progress (or one that was killed): ignored
       .old-ckpt-000006-3c4d/   an old save being removed (or whose removal was killed): ignored
 
@@ -365,17 +365,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def list_versions(path: PathLike) -> list[Path]:
-    """The saves in checkpoint directory ``path``, oldest first: every ``ckpt-NNNNNN`` holding a manifest. Local.
+    """The saves in checkpoint directory ``path``, oldest first: every ``ckpt-NNNNNN`` in it. Local.
 
-    A save appears here only through the rename that commits it and leaves
-    only through the rename that starts its removal, so a listed save is
-    always complete.
+    A save appears here only through the rename that commits it (with its
+    manifest) and leaves only through the rename that starts its removal, so
+    a listed save is complete unless it was damaged since: one without its
+    manifest is listed too, and reading it raises, instead of going back to
+    an older save unnoticed.
     """
     root = Path(path)
     found = []
     for child in root.iterdir() if root.is_dir() else ():
         match = _VERSION_RE.match(child.name)
-        if match and os.path.lexists(child / MANIFEST):
+        if match:
             found.append((int(match.group(1)), child))
     return [p for _, p in sorted(found)]
 

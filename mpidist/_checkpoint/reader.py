@@ -290,7 +290,11 @@ def _read_manifest(fd: int, directory: Path) -> dict:
     try:
         manifest_fd = open_regular(fd, MANIFEST, path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist: {directory} is not a complete save") from None
+        raise ChecksumError(
+            f"{path} is missing: the save was damaged or altered after it was committed (a save "
+            f"appears only with its manifest); pass an older {VERSION_PREFIX}NNNNNN inside "
+            f"{directory.parent} to go back to it"
+        ) from None
     try:
         size = os.fstat(manifest_fd).st_size
         if size > MAX_MANIFEST_BYTES:

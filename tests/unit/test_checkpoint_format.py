@@ -358,6 +358,28 @@ def test_leftovers_of_a_killed_save_are_ignored_then_removed(strategy, tmp_path)
     assert newer.name == "ckpt-000003" and not leftover.exists()
 
 
+def test_a_newest_save_without_its_manifest_is_damage_not_a_reason_to_go_back(strategy, tmp_path):
+    # a save appears only with its manifest: one that lost it was damaged (or is being copied in),
+    # and restoring the save before it instead would silently repeat the steps in between
+    checkpoint, older = make_checkpoint(strategy, tmp_path / "ckpt", keep=5)
+    _, newest = make_checkpoint(strategy, tmp_path / "ckpt", keep=5)
+    (newest / fmt.MANIFEST).unlink()
+    missing = rf"{newest / fmt.MANIFEST} is missing: the save was damaged"
+    with pytest.raises(ChecksumError, match=missing):
+        read_checkpoint(tmp_path / "ckpt")
+    table = checkpoint.items["table"]
+    table[...] = -1
+    with strategy.scope(), pytest.raises(ChecksumError, match=rf"nothing was modified.*{missing}"):
+        checkpoint.restore(tmp_path / "ckpt")
+    assert (table == -1).all()
+    assert cli(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 1
+    with strategy.scope():
+        assert checkpoint.restore(older) == str(older)  # going back is the caller's choice
+    assert (table == EXPECTED["table"]).all()
+    _, newer = make_checkpoint(strategy, tmp_path / "ckpt", keep=1)
+    assert fmt.list_versions(tmp_path / "ckpt") == [newer]  # the damaged save is pruned as an old one
+
+
 def test_save_refuses_a_directory_that_is_not_a_checkpoint(strategy, tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "notes.txt").write_text("mine")
