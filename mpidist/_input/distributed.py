@@ -220,7 +220,9 @@ class DistributedIterator:
 
         Keys: ``format``, ``kind``, ``epoch``, ``offset``, ``seed``,
         ``num_replicas`` and, for array datasets, ``num_samples``,
-        ``global_batch_size``, ``shuffle``, ``remainder``. Steps prefetched
+        ``global_batch_size``, ``shuffle``, ``remainder``; for a
+        ``FileDataset``, ``files`` and ``shuffle`` (``seed`` is its seed), and
+        for a batched one ``global_batch_size`` and ``remainder``. Steps prefetched
         but not yet returned by ``next()`` do not count.
         """
         state = {
@@ -237,9 +239,10 @@ class DistributedIterator:
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (a :meth:`get_state` dict, possibly from another number of ranks). Local.
 
-        The epoch, offset and shuffle seed are taken from ``state``. Raises
-        ``ValueError`` when the state belongs to another kind of dataset or
-        to different data.
+        The epoch, offset and shuffle seed are taken from ``state`` (a
+        ``FileDataset``'s seed must be its own). Raises ``ValueError`` when
+        the state belongs to another kind of dataset, to different data, or
+        to the same data read in another order.
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(

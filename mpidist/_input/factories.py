@@ -33,6 +33,7 @@ not yet seen. Creating a distributed dataset is local.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, NoReturn, Optional
 
@@ -40,7 +41,7 @@ from mpidist._errors import on_rank
 from mpidist._input.datasets import ArrayDataset, FileDataset, InputContext
 from mpidist._input.distributed import DistributedDataset, InputHost
 from mpidist._input.sharding import SHARD_POLICIES, choose_shard_policy, per_replica_batch_size
-from mpidist._input.sources import ArraySource, StreamSource, epoch_stream, file_source
+from mpidist._input.sources import ArraySource, StreamSource, epoch_stream, file_fields, file_source
 
 __all__ = ["distribute_dataset", "distribute_datasets_from_function"]
 
@@ -142,7 +143,11 @@ def distribute_dataset(
             source = file_source(dataset, policy, rank, size)
         else:
             group, pick = (size, rank) if auto_shard else (1, 0)
-            source = StreamSource("elements", epoch_stream(dataset), lambda: _length_of(dataset), group, pick, rank)
+            # a FileDataset read by record: its number of files, shuffle and seed fix the order the ranks agree on
+            fields = functools.partial(file_fields, dataset) if isinstance(dataset, FileDataset) else dict
+            source = StreamSource(
+                "elements", epoch_stream(dataset), lambda: _length_of(dataset), group, pick, rank, fields=fields
+            )
     return DistributedDataset(
         host,
         source,

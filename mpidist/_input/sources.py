@@ -41,7 +41,7 @@ from mpidist._errors import on_rank
 from mpidist._input.datasets import ArrayDataset, Chunk, FileDataset, RecordBatches, array_chunks
 from mpidist._input.sharding import file_shard, num_steps, per_replica_batch_size
 
-__all__ = ["ArraySource", "BatchSource", "StreamSource", "epoch_stream", "file_source"]
+__all__ = ["ArraySource", "BatchSource", "StreamSource", "epoch_stream", "file_fields", "file_source"]
 
 
 class ArraySource:
@@ -86,6 +86,15 @@ class ArraySource:
                     self._rank,
                     f"the iterator state was saved for {state.get('num_samples')} "
                     f"samples but this ArrayDataset has {n}; restore it into the same data",
+                )
+            )
+        if state.get("shuffle") != int(self._dataset.shuffle):  # its offset counts samples in another order
+            raise ValueError(
+                on_rank(
+                    self._rank,
+                    f"the iterator state was saved with shuffle {state.get('shuffle')!r} but this ArrayDataset "
+                    f"has shuffle={self._dataset.shuffle}: resuming its offset in another order would read some "
+                    "samples of the epoch twice and others never; restore it into the same data",
                 )
             )
         if not 0 <= state["offset"] <= n:
@@ -195,7 +204,8 @@ class StreamSource:
             produced += 1
 
     def state(self) -> dict[str, Any]:
-        return {}
+        """What fixes the order (a ``FileDataset``'s files, shuffle and seed), which :meth:`check` compares."""
+        return self._fields()
 
     def order(self, seed: int) -> dict[str, Any]:
         """The dataset's own fields (a ``FileDataset``'s number of files, shuffle and seed); an iterable has none."""
@@ -212,6 +222,18 @@ class StreamSource:
                     "on any number of ranks",
                 )
             )
+        fields = self._fields()
+        if fields.keys() <= state.keys():  # a state saved before its fields were recorded carries only a seed
+            differ = [f"{key} {state[key]!r} (here {value!r})" for key, value in fields.items() if state[key] != value]
+            if differ:
+                raise ValueError(
+                    on_rank(
+                        self._rank,
+                        f"the iterator state was saved for another order of this {self.kind!r} dataset: "
+                        f"{', '.join(differ)}; resuming its position in another order would read some records "
+                        "twice and others never; restore it into the same data",
+                    )
+                )
 
 
 class BatchSource(StreamSource):
@@ -255,7 +277,7 @@ class BatchSource(StreamSource):
         return self._batches.template is not None
 
     def state(self) -> dict[str, Any]:
-        return {"global_batch_size": self._global_batch_size, "remainder": self._batches.remainder}
+        return {**super().state(), "global_batch_size": self._global_batch_size, "remainder": self._batches.remainder}
 
 
 def file_source(files: FileDataset, policy: str, rank: int, size: int) -> StreamSource:
@@ -267,7 +289,7 @@ def file_source(files: FileDataset, policy: str, rank: int, size: int) -> Stream
     whole of it without sharding).
     """
     stream = _file_shard_stream(files, rank, size) if policy == "file" else epoch_stream(files)
-    fields = functools.partial(_file_fields, files)
+    fields = functools.partial(file_fields, files)
     batch, remainder = files.global_batch_size, files.remainder
     if batch is None or remainder is None:  # a FileDataset has both or neither
         return StreamSource("files", stream, lambda: None, 1, 0, rank, global_position=False, fields=fields)
@@ -278,7 +300,7 @@ def file_source(files: FileDataset, policy: str, rank: int, size: int) -> Stream
     return BatchSource(kind, stream, batches, batch, rank, global_position=policy != "file", fields=fields)
 
 
-def _file_fields(files: FileDataset) -> dict[str, Any]:
+def file_fields(files: FileDataset) -> dict[str, Any]:
     """What fixes the order of a :class:`FileDataset`'s records besides the epoch: how many files, shuffle, seed."""
     return {"files": len(files.files), "shuffle": int(files.shuffle), "seed": files.seed}
 

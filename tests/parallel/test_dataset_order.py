@@ -117,6 +117,12 @@ def _file_count(strategy, r, n):
     return distribute_dataset(strategy, files, shard_policy="element"), ("files", 6, 7)
 
 
+def _file_seed_by_record(strategy, r, n):
+    contents, names = _files()  # no batch size: read by record like any iterable, but its order is the files'
+    files = FileDataset(names, contents.__getitem__, shuffle=True, seed=2 if odd(r, n) else 1)
+    return distribute_dataset(strategy, files, shard_policy="element"), ("seed", 1, 2)
+
+
 def _steps_per_transfer(strategy, r, n):
     contents, names = _files()
     files = FileDataset(names, contents.__getitem__, global_batch_size=n)
@@ -133,6 +139,7 @@ CASES = [
     _position,
     _file_seed,
     _file_count,
+    _file_seed_by_record,
     _steps_per_transfer,
 ]
 

@@ -507,6 +507,30 @@ def test_batched_files_resume_at_the_same_number_of_ranks(strategy):
     assert first + rest == [_real_rows(e, "partial") for e in dist]
 
 
+@pytest.mark.parametrize(
+    ("policy", "batch"), [("file", None), ("file", "n"), ("element", None), ("element", "n")], ids=str
+)
+def test_a_files_state_restores_only_into_files_read_in_the_same_order(strategy, policy, batch):
+    contents, names = _ten_files_of_four()
+    size = MPI.COMM_WORLD.size if batch else None
+
+    def files(count=10, **order):
+        data = FileDataset(names[:count], contents.__getitem__, global_batch_size=size, **order)
+        return distribute_dataset(strategy, data, shard_policy=policy)
+
+    state = json.loads(json.dumps(iter(files(shuffle=True, seed=5)).get_state()))
+    assert (state["files"], state["shuffle"], state["seed"]) == (10, 1, 5)
+    files(shuffle=True, seed=5).iterator_from_state(state)
+    # its position counts records in the saved order: in another one, some would be read twice, others never
+    kind = state["kind"]
+    with pytest.raises(ValueError, match=f"saved for another order of this '{kind}' dataset: shuffle 1 \\(here 0\\);"):
+        files(seed=5).iterator_from_state(state)
+    with pytest.raises(ValueError, match=f"saved for another order of this '{kind}' dataset: files 10 \\(here 9\\);"):
+        files(count=9, shuffle=True, seed=5).iterator_from_state(state)
+    old = {k: v for k, v in state.items() if k not in ("files", "shuffle")}  # saved before the order was recorded
+    files(seed=7).iterator_from_state(dict(old, seed=0))
+
+
 def test_batched_files_need_a_record_on_every_rank(strategy):
     r, n = world()
     contents = {f"f{i}": [] if i == n - 1 else [np.array([i, 0])] for i in range(n)}  # the last rank's file is empty
@@ -919,6 +943,12 @@ def test_resume_at_the_same_size_and_state_checks(strategy):
     other = distribute_dataset(strategy, ArrayDataset(np.arange(31), 2 * n))
     with pytest.raises(ValueError, match="saved for 30 samples but this ArrayDataset has 31"):
         iter(other).set_state(state)
+    # the offset counts samples in the saved order: in another one, some would be read twice, others never
+    unshuffled = distribute_dataset(strategy, ArrayDataset(np.arange(30), 2 * n, seed=1))
+    with pytest.raises(ValueError, match="saved with shuffle 1 but this ArrayDataset has shuffle=False"):
+        unshuffled.iterator_from_state(state)
+    with pytest.raises(ValueError, match="saved with shuffle 0 but this ArrayDataset has shuffle=True"):
+        iter(dist).set_state(iter(unshuffled).get_state())
     with pytest.raises(ValueError, match="is of a 'array' iterator"):
         iter(distribute_dataset(strategy, range(4))).set_state(state)
     local = distribute_datasets_from_function(strategy, lambda ctx: [1, 2, 3])
