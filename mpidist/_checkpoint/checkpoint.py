@@ -103,6 +103,14 @@ def _kind(name: str, obj: Any) -> str:
     )
 
 
+def _shown(path: Any) -> str:
+    """``path`` for messages, also when it is no path (the step that uses it makes every rank raise). Local."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        return repr(path)
+
+
 def _error_record(exc: BaseException) -> dict:
     """What the other ranks need to raise the exception a failed rank raises: its type (the nearest of
     :data:`_ERRORS`), and the file and entry of a :class:`ChecksumError`."""
@@ -169,7 +177,7 @@ class _Protocol:
         differ = [r for r, d in enumerate(descriptions) if d != descriptions[0]]
         if differ:
             raise ValueError(
-                f"{self.what}: ranks disagree on {what}: {on_rank(0, str(descriptions[0]))}; "
+                f"{on_rank(self.rank, self.what)}: ranks disagree on {what}: {on_rank(0, str(descriptions[0]))}; "
                 f"{on_rank(differ[0], str(descriptions[differ[0]]))}. Every rank must call it with "
                 "the same items (names, kinds, shapes, dtypes) and options"
             )
@@ -265,7 +273,7 @@ class Checkpoint:
             CheckpointError: writing failed on some rank (all ranks raise it).
         """
         strategy = self._strategy_for("save")
-        run = _Protocol(strategy, f"Checkpoint.save to {os.fspath(path)} failed, the saves already there are intact")
+        run = _Protocol(strategy, f"Checkpoint.save to {_shown(path)} failed, the saves already there are intact")
         check = bool(check_mirrors) and run.size > 1  # one replica has no other components to compare
         entries, block_bytes = self._agree_on_entries(run, path, keep, fsync, block_bytes, chunk_bytes, check)
         values = self._values(first_replica=not check)
@@ -326,7 +334,7 @@ class Checkpoint:
             if not isinstance(keep, int) or keep < 1:
                 raise ValueError(f"Checkpoint.save: keep must be a positive int (how many saves to keep), got {keep!r}")
             block_bytes = _block_size(block_bytes, chunk_bytes)
-            args = [os.fspath(path), keep, fsync, block_bytes, check_mirrors]
+            args = [os.fsdecode(path), keep, fsync, block_bytes, check_mirrors]
             descriptions = self._describe()
             states = {
                 name: self._get_state(name, obj) for name, (kind, obj) in self._items.items() if kind == fmt.STATE
@@ -420,17 +428,21 @@ class Checkpoint:
             CheckpointError: reading failed on some rank.
         """
         strategy = self._strategy_for("restore")
-        run = _Protocol(strategy, f"Checkpoint.restore from {os.fspath(path)} failed, nothing was modified")
+        run = _Protocol(strategy, f"Checkpoint.restore from {_shown(path)} failed, nothing was modified")
         directory, manifest = self._load_manifest(run, path)
         failure: Optional[BaseException] = None
         plan: list[tuple[str, str, Any, dict]] = []
         descriptions: list[dict] = []
+        where = ""
         try:
+            where = os.fsdecode(path)  # rank 0 alone found the save: every rank must have asked for it
             descriptions = self._describe()
             plan = self._match(manifest, directory, run.size)
         except BaseException as exc:
             failure = exc
-        run.same(run.gather(descriptions, failure, _ITEMS), "the checkpoint's items")
+        replies = run.gather({"items": descriptions, "path": where}, failure, _ITEMS)
+        run.same([r["items"] for r in replies], "the checkpoint's items")
+        run.same([r["path"] for r in replies], "the path of restore")
         arrays = [(obj, entry) for _, kind, obj, entry in plan if kind != fmt.STATE]
         block_bytes = manifest[fmt.BLOCK_BYTES_KEY]
         node = run.comm.node()  # the ranks that share this node's memory: each byte is read once per node

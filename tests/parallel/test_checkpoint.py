@@ -254,6 +254,35 @@ def test_an_invalid_argument_on_one_rank_raises_on_every_rank_and_writes_nothing
     strategy.free()
 
 
+def test_a_restore_from_another_path_on_one_rank_raises_on_every_rank_and_modifies_nothing(shared_dir):
+    strategy = mpidist.MPIStrategy(device="cpu", timeout=10)  # the others must not wait out a deadline
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    if n == 1:
+        strategy.free()
+        pytest.skip("needs two ranks to disagree")
+    table = np.full(2, 1.0)
+    checkpoint = Checkpoint(table=table)
+    with strategy.scope():
+        older = checkpoint.save(shared_dir, keep=2)
+        table[...] = 2
+        checkpoint.save(shared_dir, keep=2)
+        table[...] = 3
+        # rank 0 alone finds the save: the others restored the one it found, whatever they asked for
+        with pytest.raises(ValueError) as info:
+            checkpoint.restore(older if r == 0 else shared_dir)
+        message = str(info.value)
+        assert message.startswith(f"rank {r}: ") and "nothing was modified" in message
+        assert f"ranks disagree on the path of restore: rank 0: {older}; rank 1: {shared_dir}" in message
+        assert (table == 3).all()
+        # a path that is no path on one rank: every rank raises in the same call (it left alone before)
+        for call in (checkpoint.restore, checkpoint.save):
+            with pytest.raises(TypeError, match=f"rank {n - 1}: TypeError: expected str, bytes or os.PathLike"):
+                call(None if r == n - 1 else shared_dir)
+        assert (table == 3).all() and len(fmt.list_versions(shared_dir)) == 2
+        assert checkpoint.restore(shared_dir) == str(shared_dir / "ckpt-000002") and (table == 2).all()
+    strategy.free()
+
+
 def test_a_checksum_error_in_one_ranks_share_fails_every_rank(strategy, shared_dir):
     n, r = strategy.num_replicas_in_sync, strategy.rank
     model = build(strategy, fill=True)
