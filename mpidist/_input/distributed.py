@@ -305,7 +305,7 @@ class DistributedIterator:
         """
         steps: list[tuple[Any, int]] = []
         padding: list[tuple[Any, int]] = []
-        error: Optional[Exception] = None
+        error: Optional[BaseException] = None
         try:
             chunk = prefetcher.get()
             if chunk is not None:
@@ -313,14 +313,14 @@ class DistributedIterator:
             short = self._dataset.steps_per_transfer - len(steps)
             if short and self._source.exact and self._source.has_template:
                 padding = self._fill(converter, short)
-        except Exception as caught:
+        except BaseException as caught:  # an interrupt too (from the source): the others hear of it, then it is raised
             error = caught
         count = self._agree_steps(len(steps), error)
         self._final = count < self._dataset.steps_per_transfer
         self._dropped += max(len(steps) - count, 0)
         return (steps + padding)[:count]
 
-    def _check_input(self, error: Optional[Exception], what: str, doing: str) -> None:
+    def _check_input(self, error: Optional[BaseException], what: str, doing: str) -> None:
         """Collective: did every rank's input succeed (``Communicator.outcome``)?
 
         ``error`` is this rank's failure (``None``: none). If some rank
@@ -354,12 +354,12 @@ class DistributedIterator:
         else:
             here = total = self._dropped
         if not self._source.global_position and self._dataset._warn_drops:
-            error: Optional[Exception] = None
+            error: Optional[BaseException] = None
             if self._prefetcher is not None:
                 try:
                     while (chunk := self._prefetcher.get()) is not None:
                         here += len(chunk)
-                except Exception as caught:
+                except BaseException as caught:
                     error = caught
             self._check_input(error, "rest counted", "counting the elements past the last step")
             total = self._agree(here, "elements dropped", ReduceOp.SUM)
@@ -380,13 +380,13 @@ class DistributedIterator:
         or an ``ArrayDataset``'s) joins the length agreement as "unknown" and
         raises with the others at the check. Local otherwise.
         """
-        error: Optional[Exception] = None
+        error: Optional[BaseException] = None
         source = self._source
         options = self._host.communicator.options
         checked = source.collective_length or (source.agrees_order and options.check_collectives)
         try:
             length = source.length(self._epoch, self._offset)
-        except Exception as caught:  # a dataset_fn's own failure too (see distribute_datasets_from_function)
+        except BaseException as caught:  # a dataset_fn's own failure too (see distribute_datasets_from_function)
             if not checked:
                 raise
             length, error = None, caught  # raised at the check, with the others
@@ -399,7 +399,7 @@ class DistributedIterator:
         if error is None:
             try:
                 chunks = source.chunks(self._epoch, self._offset, self._dataset.steps_per_transfer, length, self._seed)
-            except Exception as caught:
+            except BaseException as caught:
                 error = caught
         if checked or length is None:
             self._check_start(error)
@@ -409,7 +409,7 @@ class DistributedIterator:
         prefetcher = self._prefetcher = Prefetcher(chunks, prepare, self._dataset.prefetch)
         return prefetcher, converter
 
-    def _check_start(self, error: Optional[Exception]) -> None:
+    def _check_start(self, error: Optional[BaseException]) -> None:
         """Collective (nothing at one rank): did every rank open its source, and do the ranks agree on what
         fixes the epoch's order (:meth:`_order`)?
 
@@ -480,7 +480,7 @@ class DistributedIterator:
             filler = filler.map_leaves(converter.prepare)
         return _finish(converter, filler).steps()
 
-    def _agree_steps(self, count: int, error: Optional[Exception]) -> int:
+    def _agree_steps(self, count: int, error: Optional[BaseException]) -> int:
         """Collective: the number of steps every rank takes next, this rank having ``count`` ready.
 
         The minimum over ranks for sources that drop, the maximum for exact

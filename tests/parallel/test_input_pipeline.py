@@ -598,25 +598,29 @@ def test_an_error_in_the_source_reaches_every_rank_at_the_same_step(strategy):
         next(it)
 
 
-def test_an_error_on_one_rank_stops_every_rank(strategy):
-    """A source without len() that fails on the last rank only: the others raise instead of waiting."""
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("error", [OSError, KeyboardInterrupt, SystemExit])
+def test_an_error_on_one_rank_stops_every_rank(strategy, error, prefetch):
+    """A source without len() that fails on the last rank only: the others raise instead of waiting,
+    also when what it raises is an interrupt (which the failing rank raises as it is)."""
     r, n = world()
 
     def source():
         yield from range(2 * n)
         if r == n - 1:
-            raise OSError("disk gone")
+            raise error("disk gone")
         yield from range(2 * n, 10 * n)
 
-    it = iter(distribute_dataset(strategy, source(), prefetch=1))
+    it = iter(distribute_dataset(strategy, source(), prefetch=prefetch))
     assert values([next(it), next(it)]) == [r, n + r]
     if r == n - 1:
-        with pytest.raises(OSError, match="disk gone"):
+        with pytest.raises(error, match="disk gone"):
             next(it)
     else:
-        failed = f"the input pipeline failed elsewhere in epoch 0 .*rank {n - 1}: OSError: disk gone"
+        failed = f"the input pipeline failed elsewhere in epoch 0 .*rank {n - 1}: {error.__name__}: disk gone"
         with pytest.raises(RuntimeError, match=failed):
             next(it)
+    assert values(distribute_dataset(strategy, NoLen(2 * n))) == [r, n + r]  # no collective left behind
 
 
 def test_every_failed_rank_is_named_and_the_iterators_go_on_agreeing(strategy):
