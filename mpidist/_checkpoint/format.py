@@ -196,6 +196,11 @@ def safe_file_name(index: int, name: str) -> str:
     return f"{index:04d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:80]}.npy"
 
 
+def is_version_name(name: str) -> bool:
+    """Whether ``name`` is the name of a save inside a checkpoint directory (``ckpt-NNNNNN``)."""
+    return _VERSION_RE.match(name) is not None
+
+
 def is_data_file_name(name: str) -> bool:
     """Whether ``name`` is a plain ``.npy`` file name inside a save (no path separators, not hidden)."""
     return _FILE_RE.match(name) is not None
@@ -376,9 +381,8 @@ def list_versions(path: PathLike) -> list[Path]:
     root = Path(path)
     found = []
     for child in root.iterdir() if root.is_dir() else ():
-        match = _VERSION_RE.match(child.name)
-        if match:
-            found.append((int(match.group(1)), child))
+        if is_version_name(child.name):
+            found.append((int(child.name[len(VERSION_PREFIX) :]), child))
     return [p for _, p in sorted(found)]
 
 

@@ -33,6 +33,7 @@ from mpidist._checkpoint.format import (
     Piece,
     entry_array,
     io_threads,
+    is_version_name,
     list_versions,
     memory_dtype,
     pread_into,
@@ -133,7 +134,8 @@ class Save:
 
     @classmethod
     def open(cls, path: PathLike) -> Save:
-        """Open the save at ``path``: ``path`` itself if it holds a manifest, else its newest ``ckpt-NNNNNN``.
+        """Open the save at ``path``: ``path`` itself if it holds a manifest (or is a ``ckpt-NNNNNN`` that lost
+        it), else its newest ``ckpt-NNNNNN``.
 
         Raises:
             FileNotFoundError: ``path`` does not exist or holds no save.
@@ -147,8 +149,8 @@ class Save:
         except FileNotFoundError:
             raise FileNotFoundError(f"checkpoint {root} does not exist") from None
         try:
-            if _exists(MANIFEST, root_fd):
-                directory, fd = root, os.dup(root_fd)
+            if _exists(MANIFEST, root_fd) or (is_version_name(root.name) and not list_versions(root)):
+                directory, fd = root, os.dup(root_fd)  # one save: its manifest is read (or found missing) below
             else:
                 versions = list_versions(root)
                 if not versions:

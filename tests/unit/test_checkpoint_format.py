@@ -373,6 +373,9 @@ def test_a_newest_save_without_its_manifest_is_damage_not_a_reason_to_go_back(st
         checkpoint.restore(tmp_path / "ckpt")
     assert (table == -1).all()
     assert cli(["checkpoint", "inspect", str(tmp_path / "ckpt")]) == 1
+    assert cli(["checkpoint", "inspect", str(newest)]) == 1  # named itself, it is the same damaged save
+    with pytest.raises(ChecksumError, match=missing):
+        read_checkpoint(newest)
     with strategy.scope():
         assert checkpoint.restore(older) == str(older)  # going back is the caller's choice
     assert (table == EXPECTED["table"]).all()
