@@ -87,14 +87,14 @@ class Stopper:
         equally often. Call it where no nonblocking collective is in flight
         (between steps).
         """
+        if not isinstance(check_every, int) or check_every < 1:  # also where unused: not first when checks go off
+            raise ValueError(f"should_stop: check_every must be a positive int, got {check_every!r}")
         if self._agreed:
             return True
         agreement = self._comm.agreement
         if agreement.enabled:
             self._agreed = agreement.stop_agreed
         else:
-            if not isinstance(check_every, int) or check_every < 1:
-                raise ValueError(f"should_stop: check_every must be a positive int, got {check_every!r}")
             self._calls += 1
             if self._calls >= check_every:
                 self._calls = 0

@@ -164,3 +164,17 @@ def test_one_rank_stops_at_the_next_check():
         assert strategy.should_stop() and strategy.should_stop()
     finally:
         strategy.free()
+
+
+def test_a_bad_check_every_raises_whatever_the_collective_checks():
+    """check_every is used only with every check off; a bad one raises with checks on too, not first when
+    a program turns the checks off."""
+    for options in ({}, {"check_collectives": False, "timeout": None, "check_finite": False}):
+        strategy = md.MPIStrategy(device="cpu", **options)
+        try:
+            for bad in (0, -1, 2.5):
+                with pytest.raises(ValueError, match=f"check_every must be a positive int, got {bad}"):
+                    strategy.should_stop(check_every=bad)
+            assert strategy.should_stop(check_every=3) is False
+        finally:
+            strategy.free()
