@@ -16,6 +16,7 @@ and :meth:`ReplicaContext.all_gather` are collective because what they run is.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from mpidist._comm.reduce_op import ReduceOp
@@ -162,6 +163,28 @@ def require_strategy(what: str) -> MPIStrategy:
     return strategy
 
 
+def call_arguments(what: str, rank: int, args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """Local: ``args`` (a tuple or list) and ``kwargs`` (a mapping or ``None``) for a call of ``fn``.
+
+    Anything else raises ``TypeError`` naming ``what`` and the type passed:
+    ``args=x`` for ``args=(x,)`` would otherwise unpack an array's rows or
+    a string's characters into the call.
+    """
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(
+            on_rank(
+                rank,
+                f"{what}: args must be a tuple or list of positional arguments, got "
+                f"{type(args).__name__}; pass one argument as args=(x,)",
+            )
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(
+            on_rank(rank, f"{what}: kwargs must be a dict of keyword arguments or None, got {type(kwargs).__name__}")
+        )
+    return tuple(args), dict(kwargs or {})
+
+
 class ReplicaContext:
     """What ``fn`` sees inside ``strategy.run(fn)``: this rank as one replica.
 
@@ -191,7 +214,8 @@ class ReplicaContext:
         back to the replica with distributed values (other than variables)
         replaced by this replica's component.
         """
-        return self.strategy.extended.merge_call(merge_fn, tuple(args), dict(kwargs or {}))
+        args, kwargs = call_arguments("merge_call", self.replica_id_in_sync_group, args, kwargs)
+        return self.strategy.extended.merge_call(merge_fn, args, kwargs)
 
     def all_reduce(
         self,

@@ -21,7 +21,12 @@ from mpidist._comm.communicator import Communicator, Handle, duplicate_world
 from mpidist._comm.flat_store import zeros_like_layout
 from mpidist._comm.survival import release
 from mpidist._comm.transport import duplicate
-from mpidist._distribute.context import checked_collective_context, checked_replica_context, enter_context
+from mpidist._distribute.context import (
+    call_arguments,
+    checked_collective_context,
+    checked_replica_context,
+    enter_context,
+)
 from mpidist._distribute.extended import AnyReduceOp, StrategyExtended, is_array
 from mpidist._distribute.mirrors import describe, diverged, fingerprint
 from mpidist._distribute.preemption import DEFAULT_CHECK_EVERY, DEFAULT_SIGNALS, Stopper, signal_numbers
@@ -236,8 +241,9 @@ class MPIStrategy:
         def unwrap(x: Any) -> Any:
             return x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
 
-        args = map_structure(unwrap, tuple(args)) if args else ()
-        kwargs = map_structure(unwrap, dict(kwargs)) if kwargs else {}
+        args, kwargs = call_arguments("strategy.run", self.rank, args, kwargs)
+        args = map_structure(unwrap, args)
+        kwargs = map_structure(unwrap, kwargs)
         with enter_context(self, self._extended.replica_context(), "strategy.run"):
             result = fn(*args, **kwargs)
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)

@@ -187,6 +187,25 @@ def test_merge_call_wraps_arrays_and_returns_local_components(strategy):
     assert mine.get() == r
 
 
+def test_run_and_merge_call_refuse_args_that_are_not_a_tuple_or_list(strategy):
+    # args=x for args=(x,) would unpack an array's rows (or a string's characters) into the call.
+    r = strategy.rank
+    with strategy.scope():
+        with pytest.raises(TypeError, match=rf"rank {r}: strategy\.run: args must be a tuple or list.*ndarray"):
+            strategy.run(lambda x: x, args=np.ones(2))
+        with pytest.raises(TypeError, match=r"strategy\.run: kwargs must be a dict.*list"):
+            strategy.run(lambda **k: k, kwargs=[("a", 1)])
+
+        def fn():
+            ctx = md.get_replica_context()
+            with pytest.raises(TypeError, match=rf"rank {r}: merge_call: args must be a tuple or list.*str"):
+                ctx.merge_call(lambda s, *a: a, args="ab")
+            return ctx.merge_call(lambda s, x, y=0: x.get() + y, args=[np.ones(2)], kwargs={"y": 1})
+
+        assert_equal(strategy.run(fn).get(), np.full(2, 2.0))
+        assert_equal(strategy.run(lambda x: x, args=[np.ones(2)]).get(), np.ones(2))
+
+
 def test_replica_all_reduce_of_a_nest(strategy):
     n, r = strategy.num_replicas_in_sync, strategy.rank
 
