@@ -375,6 +375,14 @@ class DistributedVariable(DistributedValues):
                     f"updating it with {array.dtype} values would truncate them: cast explicitly",
                 )
             )
+        if array.dtype.kind == "c" and np.dtype(self.dtype).kind != "c":
+            raise TypeError(
+                on_rank(
+                    self._strategy.rank,
+                    f"variable {self._name!r} has real dtype {self.dtype}; updating it with {array.dtype} "
+                    "values would discard their imaginary parts: cast explicitly",
+                )
+            )
         array = array.astype(self.dtype, copy=False)
         if tuple(array.shape) != self.shape:
             array = self._strategy.backend.xp.broadcast_to(array, self.shape)

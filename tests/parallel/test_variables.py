@@ -275,6 +275,31 @@ def test_integer_sum_counter_splits_exactly(strategy):
             strategy.run(lambda: c.assign_add(np.array([0.5, 0.5, 0.5])))
 
 
+def test_complex_values_do_not_update_a_real_variable_on_any_rank(strategy):
+    # Casting would drop the imaginary parts (numpy only warns); the rank that passes them raises, the
+    # others raise CollectiveMismatchError naming it, and no component changes.
+    n, r = strategy.num_replicas_in_sync, strategy.rank
+    last = n - 1
+    with strategy.scope():
+        v = Variable(np.zeros(3, np.float32), name="real", aggregation=Agg.SUM)
+        value = np.full(3, 1 + 2j, np.complex64) if r == last else np.ones(3, np.float32)
+        expected = (
+            (TypeError, "'real' has real dtype float32.*complex64.*imaginary")
+            if r == last
+            else (
+                CollectiveMismatchError,
+                f"rank {last}",
+            )
+        )
+        with pytest.raises(expected[0], match=expected[1]):
+            strategy.run(lambda: v.assign_add(value))
+        with pytest.raises(TypeError, match="imaginary"):
+            v.assign(np.full(3, 1j))  # cross-replica: the same value on every rank
+        assert_equal(v.component, np.zeros(3, np.float32))
+        strategy.run(lambda: v.assign_add(np.ones(3, np.float64)))  # a real value of another dtype is cast
+        assert_equal(v.component, np.full(3, n, np.float32))
+
+
 def test_integer_mean_is_rejected(strategy):
     with strategy.scope():
         for sync in (Sync.ON_WRITE, Sync.ON_READ):
