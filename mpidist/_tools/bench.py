@@ -105,6 +105,7 @@ import platform
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -122,9 +123,12 @@ from mpidist._distribute.strategy import MPIStrategy
 from mpidist._distribute.variables import MirroredVariable, Variable, VariableAggregation
 from mpidist._tools.bench_counts import MESSAGES, CallCounter, library_counters
 from mpidist._tools.bench_report import placements, write_reports
+from mpidist._tools.cli import positive_int
 from mpidist._units import human_time
 
 __all__ = [
+    "CASES",
+    "DEFAULT_CASES",
     "DESCRIPTION",
     "INPUTS",
     "MPI_SETTINGS",
@@ -157,6 +161,22 @@ _WEIGHT = 0.5  # the value weights and scratch buffers are written with once, wh
 # How the inputs were made, as results.json records it ("inputs" of "meta"; runs before it lack the key and read
 # never-written gradients).
 INPUTS = "written before each call, each call timed alone"
+# The cases --cases may name; those of a plain run.
+DEFAULT_CASES = (
+    "sweep",
+    "pieces",
+    "memory",
+    "update",
+    "resnet50",
+    "fusion",
+    "overlap",
+    "safety",
+    "timeline",
+    "profile",
+    "alltoall",
+    "bfloat16",
+)
+CASES = (*DEFAULT_CASES, "compression", "scaling")
 # MPI settings that change the results and depend on how the job started, recorded in "meta": Open MPI's algorithm for
 # the nonblocking allreduce that mpidist's pieces run on. mpidist sets it when imported before mpi4py.MPI (as
 # `python -m mpidist` is); a script that imports mpi4py.MPI first runs with Open MPI's own choice.
@@ -981,15 +1001,33 @@ def _torch() -> Any:
     return torch
 
 
+def _cases(text: str) -> set[str]:
+    """An argparse ``type``: the comma-separated cases of ``--cases``, each one of :data:`CASES`."""
+    cases = {case.strip() for case in text.split(",") if case.strip()}
+    unknown = sorted(cases - set(CASES))
+    if not cases or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown case{'s' if len(unknown) != 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"choose from {','.join(CASES)}"
+            if unknown
+            else "it names no case"
+        )
+    return cases
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser``."""
     parser.add_argument("--out", default="bench-results", help="directory for results.json, results.md, busbw.png")
-    parser.add_argument("--repeats", type=int, default=7, help="samples per measurement (median reported)")
-    parser.add_argument("--max-bytes", type=int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=7, help="samples per measurement (median reported; default 7)"
+    )
+    parser.add_argument("--max-bytes", type=positive_int, default=256 * _MIB, help="largest buffer (default 256 MiB)")
     parser.add_argument(
         "--cases",
-        default="sweep,pieces,memory,update,resnet50,fusion,overlap,safety,timeline,profile,alltoall,bfloat16",
-        help="comma-separated subset of the cases; also 'compression' (not in the default list: it runs best "
+        type=_cases,
+        default=",".join(DEFAULT_CASES),
+        help=f"comma-separated subset of the cases (default {','.join(DEFAULT_CASES)}); "
+        "also 'compression' (not in the default list: it runs best "
         "across nodes) and 'scaling' (not in the default list): the MPI calls of "
         "mpidist's agreement and, under Open MPI started with OMPI_MCA_pml_monitoring_enable=1, the messages and "
         "bytes each rank's MPI library sends for them, counted at any number of ranks, also more ranks than cores "
@@ -1000,9 +1038,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.distributed (gloo) baseline")
 
 
+def _unwritable(out: str) -> Optional[str]:
+    """Local: why the results cannot be written into directory ``out`` (made if missing), or ``None``."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None if os.access(out, os.W_OK | os.X_OK) else "permission denied"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark with parsed arguments (see :func:`add_arguments`). Collective: run it under mpiexec."""
-    cases = set(args.cases.split(","))
+    cases = args.cases
+    unwritable = _unwritable(args.out) if MPI.COMM_WORLD.rank == 0 else None
+    unwritable = MPI.COMM_WORLD.bcast(unwritable)
+    if unwritable is not None:  # found before the hours of measuring, on every rank
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"mpidist bench: error: cannot write the results to --out {args.out}: {unwritable}", file=sys.stderr)
+        return 1
     bench = Bench(args.repeats, None if args.no_torch else _init_gloo(MPI.COMM_WORLD))
     strategies = make_strategies()
     started = time.time()

@@ -14,6 +14,7 @@ inspect``: 3 for a malformed or unreadable save).
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Optional
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
     Subparsers = _SubParsersAction[argparse.ArgumentParser]
 
-__all__ = ["build_parser", "command", "main"]
+__all__ = ["build_parser", "command", "main", "positive_int", "positive_seconds"]
 
 _COMMANDS: list[Callable[[Subparsers], None]] = []
 
@@ -32,6 +33,28 @@ def command(add: Callable[[Subparsers], None]) -> Callable[[Subparsers], None]:
     """Register ``add(subparsers)``, which adds one command's parser and its ``handler``."""
     _COMMANDS.append(add)
     return add
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1 (otherwise a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds above 0 (otherwise a one-line usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds above 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

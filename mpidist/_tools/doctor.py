@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from mpidist._comm.backend import cupy_version, nccl_status
 from mpidist._comm.tuning import libnbc_iallreduce_algorithm, ring_setting
 from mpidist._errors import format_ranks
+from mpidist._tools.cli import positive_int, positive_seconds
 
 if TYPE_CHECKING:
     from mpidist._comm.communicator import Communicator
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the doctor's options to ``parser``."""
     parser.add_argument(
         "--expect-ranks",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="fail (exit 1, on every rank) unless the MPI world has exactly N ranks; job scripts pass "
         "$SLURM_NTASKS, so that a launcher that starts N unconnected one-rank jobs is caught",
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         metavar="SECONDS",
         help="give up when some rank does not join an exchange within this many seconds (default 60)",

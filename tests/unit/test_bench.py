@@ -12,10 +12,12 @@ import functools
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 import types
 
 import numpy as np
+import pytest
 
 from mpidist._tools.bench_report import median, piece_bytes, placements, write_reports
 from mpirun import run_mpi
@@ -375,3 +377,32 @@ def test_the_fault_tolerance_cost_script_reports_both_modes_and_the_copy_under_m
         assert line is not None, result.describe()
         assert re.search(r"off [\d.]+ us, on [\d.]+ us, one copy [\d.]+ us; .*on / off median [\d.]+x", line[1])
     assert "load average" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, complaint",
+    [
+        (["--repeats", "0"], "--repeats: expected a whole number of at least 1, got 0"),
+        (["--max-bytes", "-1"], "--max-bytes: expected a whole number of at least 1, got -1"),
+        (["--cases", "safety,nonsense"], "--cases: unknown case 'nonsense'; choose from sweep,"),
+        (["--cases", ","], "--cases: it names no case"),
+    ],
+)
+def test_bad_options_are_one_line_usage_errors(args, complaint):
+    # Before: --repeats 0 and --max-bytes -1 ended in tracebacks (after minutes of measuring for --repeats),
+    # and an unknown case ran nothing and exited 0.
+    result = subprocess.run(
+        [sys.executable, "-m", "mpidist", "bench", *args], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert result.returncode == 2 and complaint in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_out_directory_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [sys.executable, "-m", "mpidist", "bench", "--no-torch", "--cases", "safety", "--out", str(blocker / "out")]
+    result = run_mpi(2, argv, timeout=TIMEOUT)
+    assert result.returncode == 1, result.describe()
+    assert result.stderr.count(f"mpidist bench: error: cannot write the results to --out {blocker / 'out'}") == 1
+    assert "Traceback" not in result.stderr and "[bench]" not in result.stdout, result.describe()

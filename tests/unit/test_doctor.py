@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -161,6 +162,24 @@ def test_doctor_json_and_a_wrong_world_size():
     wrong = run_mpi(2, [sys.executable, "-m", "mpidist", "doctor", "--expect-ranks", "3"], timeout=TIMEOUT)
     assert wrong.returncode not in (0, None), wrong.describe()
     assert "the MPI world has 2 ranks, but 3 were expected" in wrong.stderr, wrong.describe()
+
+
+@pytest.mark.parametrize(
+    "args, complaint",
+    [
+        (["--timeout", "-5"], "--timeout: expected a finite number of seconds above 0, got -5"),
+        (["--timeout", "nan"], "--timeout: expected a finite number of seconds above 0, got nan"),
+        (["--timeout", "0"], "--timeout: expected a finite number of seconds above 0, got 0"),
+        (["--expect-ranks", "0"], "--expect-ranks: expected a whole number of at least 1, got 0"),
+    ],
+)
+def test_bad_options_are_one_line_usage_errors(args, complaint):
+    # Before: a --timeout the options refuse ended in a traceback, and --expect-ranks 0 started the exchange.
+    result = subprocess.run(
+        [sys.executable, "-m", "mpidist", "doctor", *args], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert result.returncode == 2 and complaint in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
 
 
 class _NoSharedMemorySplit:
