@@ -354,8 +354,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.test_fraction < 1:
         p.error(f"--test-fraction must be between 0 and 1, got {args.test_fraction}")
-    if args.learning_rate <= 0:
-        p.error(f"--learning-rate must be positive, got {args.learning_rate}")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        p.error(f"--learning-rate must be a finite number above 0, got {args.learning_rate}")
+    if args.seed < 0:
+        p.error(f"--seed must be at least 0, got {args.seed}")
     if args.regrow and args.no_checkpoint:
         p.error("--regrow continues from the checkpoint it saves: it cannot go with --no-checkpoint")
     return args
@@ -374,6 +376,18 @@ def _slow_rank(text: str) -> tuple[int, float]:
 
 
 # -- training ------------------------------------------------------------------------------------
+def _save(checkpoint: md.Checkpoint, directory: str) -> str:
+    """Collective: save into ``directory`` (keeping the newest two); the new save's name.
+
+    A directory that cannot be written ends the job on every rank with one line (a save is
+    collective: every rank raises when one cannot write).
+    """
+    try:
+        return Path(checkpoint.save(directory, keep=2)).name
+    except (OSError, md.CheckpointError) as exc:
+        raise SystemExit(f"error: cannot save a checkpoint in --checkpoint-dir {directory}: {exc}") from exc
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Train; rank 0 reports progress and the final held-out accuracy. Returns the exit status."""
     args = parse_args(argv)
@@ -401,6 +415,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train_data = strategy.distribute_dataset(train)
     test_data = strategy.distribute_dataset(test)
     steps = len(train_data)
+    if steps == 0:
+        if rank == 0:
+            print(
+                f"error: --global-batch-size {args.global_batch_size} is larger than the {len(y_train)} training "
+                "images: an epoch would have no step; pick a smaller batch",
+                file=sys.stderr,
+            )
+        return 2
 
     with strategy.scope():
         params = [
@@ -433,6 +455,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             where = checkpoint.restore(args.checkpoint_dir)
         except FileNotFoundError:
             progress.line(f"no checkpoint in {args.checkpoint_dir} yet: starting afresh")
+        except (OSError, ValueError, md.CheckpointError) as exc:  # raised on every rank: restore is collective
+            raise SystemExit(f"error: cannot --resume from --checkpoint-dir {args.checkpoint_dir}: {exc}") from exc
         else:
             at = position.step_in(int(epochs_done), args.global_batch_size)
             progress.line(
@@ -494,7 +518,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     saved = (
                         "not saved (--no-checkpoint)"
                         if args.no_checkpoint
-                        else f"saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
+                        else f"saved {_save(checkpoint, args.checkpoint_dir)}"
                     )
                     progress.line(
                         f"stop requested: every rank stopped in epoch {epoch + 1}/{args.epochs} after step "
@@ -505,7 +529,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             loss, train_acc = train_loss.result(), 100.0 * train_accuracy.result()
             accuracy = evaluate()
             epochs_done[...] = epoch + 1
-            saved = "" if args.no_checkpoint else f", saved {Path(checkpoint.save(args.checkpoint_dir, keep=2)).name}"
+            saved = "" if args.no_checkpoint else f", saved {_save(checkpoint, args.checkpoint_dir)}"
             progress.line(
                 f"epoch {epoch + 1}/{args.epochs}: loss {loss:.4f}, train accuracy {train_acc:.2f}%, "
                 f"held-out accuracy {accuracy:.2f}% ({time.perf_counter() - epoch_started:.2f} s{saved})"

@@ -64,7 +64,16 @@ def test_help_explains_every_option(capsys):
 
 @pytest.mark.parametrize(
     "args",
-    [["--epochs", "0"], ["--slow", "1"], ["--slow", "x:0.1"], ["--slow", "1:-2"], ["--regrow", "--no-checkpoint"]],
+    [
+        ["--epochs", "0"],
+        ["--slow", "1"],
+        ["--slow", "x:0.1"],
+        ["--slow", "1:-2"],
+        ["--regrow", "--no-checkpoint"],
+        ["--learning-rate", "nan"],  # trained to chance accuracy and exited 0
+        ["--learning-rate", "inf"],
+        ["--seed", "-1"],  # a traceback from NumPy's generator
+    ],
 )
 def test_bad_options_are_refused(args):
     with pytest.raises(SystemExit) as exit_info:
@@ -98,3 +107,25 @@ def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
     result = run_mpi(2, argv, timeout=TIMEOUT)
     assert result.returncode not in (0, None), result.describe()
     assert "not divisible by the 2 ranks" in result.stderr, result.describe()
+
+
+def test_a_global_batch_larger_than_the_training_set_is_refused(tmp_path):
+    # Before: no step per epoch, and a "final held-out accuracy" of an untrained network with exit status 0.
+    argv = [sys.executable, "-m", "mpidist.examples.train_digits", "--no-checkpoint", "--global-batch-size", "5000"]
+    result = run_mpi(2, argv, timeout=TIMEOUT)
+    assert result.returncode == 2, result.describe()
+    assert "--global-batch-size 5000 is larger than the 1438 training images" in result.stderr, result.describe()
+    assert "final held-out accuracy" not in result.stdout, result.describe()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_unusable_checkpoint_directory_is_one_line_on_every_rank(tmp_path, resume):
+    # Before: a traceback per rank (after an epoch of training, when saving).
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [sys.executable, "-m", "mpidist.examples.train_digits", "--epochs", "1", "--checkpoint-dir", str(blocker)]
+    result = run_mpi(2, argv + ["--resume"] * resume, timeout=TIMEOUT)
+    assert result.returncode not in (0, None), result.describe()
+    what = "cannot --resume from" if resume else "cannot save a checkpoint in"
+    assert result.stderr.count(f"error: {what} --checkpoint-dir {blocker}: rank ") == 2, result.describe()
+    assert "Traceback" not in result.stderr, result.describe()
