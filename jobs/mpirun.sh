@@ -15,19 +15,32 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch.sh"
 
-if [ "$#" -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ]; then
-  sed -n '2,14s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+usage() { sed -n '2,14s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+if [ "$#" -gt 0 ] && { [ "$1" = -h ] || [ "$1" = --help ]; }; then
+  usage
   exit 0
 fi
-# The program: the first argument after the mpiexec options (-n N and friends).
+# The program: the first argument after the mpiexec options (-n N and friends). A number of ranks
+# that is not a whole number above 0 would otherwise start as many ranks as there are cores (Open MPI).
 program=""
 for ((i = 1; i <= $#; i++)); do
   case "${!i}" in
-    -n | -np | -c | --n | --np | -ppn | --map-by | --bind-to | -hosts | --host | --hostfile | -f | -env | -x) i=$((i + 1)) ;;
+    -n | -np | -c | --n | --np)
+      i=$((i + 1))
+      if ! [[ "${!i:-}" =~ ^[0-9]+$ ]] || [ "$((10#${!i}))" -lt 1 ]; then
+        echo "mpirun.sh: ${*:i-1:1} needs a number of ranks above 0, got '${!i:-}' (see bash jobs/mpirun.sh --help)" >&2
+        exit 2
+      fi ;;
+    -ppn | --map-by | --bind-to | -hosts | --host | --hostfile | -f | -env | -x) i=$((i + 1)) ;;
     -*) ;;
     *) program="${!i}"; break ;;
   esac
 done
+if [ -z "$program" ]; then
+  usage >&2
+  echo "mpirun.sh: no program to run: give mpiexec's options, then the program and its arguments" >&2
+  exit 2
+fi
 read -ra mpiexec <<<"$(find_mpiexec "$program")" || true
 if [ "${#mpiexec[@]}" -eq 0 ]; then
   echo "mpirun.sh: no mpiexec next to '${program:-the program}' nor on PATH: install an MPI" \

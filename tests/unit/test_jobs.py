@@ -96,6 +96,22 @@ def test_mpirun_sh_help():
     assert result.returncode == 0 and "mpiexec" in result.stdout and "env.openmpi" in result.stdout
 
 
+@pytest.mark.parametrize(
+    "args, complaint",
+    [
+        ([], "no program to run"),
+        (["-n", "2"], "no program to run"),  # said before: no mpiexec next to 'the program'
+        (["-n", "0", sys.executable, "-c", "pass"], "-n needs a number of ranks above 0, got '0'"),
+        (["-np", "two", sys.executable, "-c", "pass"], "-np needs a number of ranks above 0, got 'two'"),
+        (["-n"], "-n needs a number of ranks above 0, got ''"),
+    ],
+)
+def test_mpirun_sh_refuses_a_missing_program_or_a_bad_number_of_ranks(args, complaint):
+    # Open MPI started as many ranks as cores for -n 0 or -n two, and the job ran with exit status 0.
+    result = subprocess.run(["bash", str(JOBS / "mpirun.sh"), *args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 2 and complaint in result.stderr and result.stdout == "", result.stderr
+
+
 def test_mpirun_sh_finds_the_mpiexec_next_to_python():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_", "MPIEXEC", "MPIDIST_MPIEXEC"))}
     env["PATH"] = "/usr/bin:/bin"  # no mpiexec on PATH: it must be found next to the interpreter
