@@ -44,6 +44,7 @@ import math
 import os
 import re
 import statistics
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -75,7 +76,7 @@ DESCRIPTION = (
     "https://ui.perfetto.dev or chrome://tracing), print per rank the time computing, waiting for the "
     "other ranks and transferring data, and which rank the others waited for most, and draw each "
     "rank's wait per step (needs matplotlib: pip install 'mpidist[timeline]'). Reads files only: no "
-    "MPI job is needed. Exit status: 0, or 1 when DIR holds no timeline file."
+    "MPI job is needed. Exit status: 0, or 1 when DIR holds no timeline file or the trace or picture cannot be written."
 )
 
 _FILE_GLOB = FILE_PATTERN.format(rank="*")
@@ -532,13 +533,26 @@ def run(args: argparse.Namespace) -> int:
     offsets = align(traces)
     summaries = summarize(traces, offsets)
     out = args.out or os.path.join(args.directory, "timeline.json")
-    with open(out, "w", encoding="utf-8") as f:
-        json.dump(merge(traces, offsets), f, separators=(",", ":"))
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(merge(traces, offsets), f, separators=(",", ":"))
+    except OSError as exc:
+        print(
+            f"mpidist timeline: error: cannot write the merged trace to {out}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return 1
     print(format_table(summaries, offsets))
     print(f"merged trace: {out} (open it at https://ui.perfetto.dev or chrome://tracing)")
     if not args.no_picture:
         picture = args.picture or os.path.join(args.directory, "timeline.png")
-        if draw(traces, summaries, picture):
+        try:
+            drawn = draw(traces, summaries, picture)
+        except OSError as exc:
+            print(
+                f"mpidist timeline: error: cannot draw the picture to {picture}: {exc.strerror or exc}", file=sys.stderr
+            )
+            return 1
+        if drawn:
             print(f"picture: {picture}")
         else:
             print("no picture: it needs matplotlib (pip install 'mpidist[timeline]')")

@@ -269,3 +269,17 @@ def test_the_option_comes_from_the_keyword_or_the_environment():
     assert Options.resolve({"MPIDIST_TIMELINE": "/x"}, timeline=Path("/z")).timeline == "/z"
     with pytest.raises(TypeError, match="option timeline must be a directory"):
         Options.resolve({}, timeline=3)
+
+
+@pytest.mark.parametrize("option", ["--out", "--picture"])
+def test_a_trace_or_picture_that_cannot_be_written_is_one_line_and_status_1(tmp_path, capsys, option):
+    # Before: a FileNotFoundError traceback.
+    if option == "--picture":
+        pytest.importorskip("matplotlib")
+    model_job(tmp_path, {0: 0.0, 1: 250.0, 2: -80.0}, slow=2, collectives=20)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    extra = [] if option == "--picture" else ["--no-picture"]
+    assert main(["timeline", str(tmp_path), option, str(blocker / "x"), *extra]) == 1
+    what = "draw the picture to" if option == "--picture" else "write the merged trace to"
+    assert capsys.readouterr().err == f"mpidist timeline: error: cannot {what} {blocker / 'x'}: Not a directory\n"
