@@ -404,6 +404,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 file=sys.stderr,
             )
         return 2
+    if args.slow is not None and args.slow[0] >= n:
+        if rank == 0:
+            print(f"error: --slow names rank {args.slow[0]}, but the job has ranks 0 to {n - 1}", file=sys.stderr)
+        return 2
     xp = strategy.backend.xp
     fault_tolerant = strategy.options.fault_tolerance  # MPIDIST_FAULT_TOLERANCE=1: survive dead ranks
     strategy.stop_on_signals(signal.SIGUSR1, signal.SIGTERM)  # a stop at the same step on every rank

@@ -109,6 +109,14 @@ def test_a_global_batch_the_ranks_cannot_share_is_refused(tmp_path):
     assert "not divisible by the 2 ranks" in result.stderr, result.describe()
 
 
+def test_a_slow_rank_that_is_not_in_the_job_is_refused():
+    # Before: no rank was slowed, silently.
+    argv = [sys.executable, "-m", "mpidist.examples.train_digits", "--no-checkpoint", "--slow", "2:0.01"]
+    result = run_mpi(2, argv, timeout=TIMEOUT)
+    assert result.returncode == 2, result.describe()
+    assert "error: --slow names rank 2, but the job has ranks 0 to 1" in result.stderr, result.describe()
+
+
 def test_a_global_batch_larger_than_the_training_set_is_refused(tmp_path):
     # Before: no step per epoch, and a "final held-out accuracy" of an untrained network with exit status 0.
     argv = [sys.executable, "-m", "mpidist.examples.train_digits", "--no-checkpoint", "--global-batch-size", "5000"]
