@@ -179,7 +179,7 @@ slurm_launch() {
       # mapping policy would place every rank on the first node of a multi-node job.
       [ "$flavour" = openmpi ] && unset PRTE_MCA_rmaps_default_mapping_policy
       fault_tolerance_setup "$flavour"  # MPIDIST_FAULT_TOLERANCE=1: --with-ft ulfm (Open MPI)
-      launch=("${mpiexec[@]:-mpiexec}" -n "$ntasks" "${ft_flags[@]}") ;;
+      launch=("${mpiexec[@]:-mpiexec}" -n "$ntasks" ${ft_flags[@]+"${ft_flags[@]}"}) ;;
     *) echo "error: MPIDIST_LAUNCHER=${MPIDIST_LAUNCHER}: expected srun or mpiexec" >&2; exit 2 ;;
   esac
   if ! "${launch[@]}" "$python" -m mpidist doctor --expect-ranks "$ntasks"; then

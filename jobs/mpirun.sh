@@ -53,11 +53,11 @@ fault_tolerance_setup "$flavour"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fault_tolerance_marks
 if [ -z "${MPIDIST_FINISHED_DIR:-}" ]; then
-  exec "${mpiexec[@]}" "${ft_flags[@]}" "$@"
+  exec "${mpiexec[@]}" ${ft_flags[@]+"${ft_flags[@]}"} "$@"
 fi
 # Fault tolerance under Open MPI: the launcher's exit status 0 is checked (fault_tolerance_verdict).
 # It runs in the background so that a signal to this script reaches it at once.
-"${mpiexec[@]}" "${ft_flags[@]}" "$@" &
+"${mpiexec[@]}" ${ft_flags[@]+"${ft_flags[@]}"} "$@" &
 launcher_pid=$!
 trap 'kill -s TERM "$launcher_pid" 2>/dev/null || true' TERM
 trap 'kill -s INT "$launcher_pid" 2>/dev/null || true' INT
