@@ -115,7 +115,8 @@ assert (_SEQ, _SEQ - _BAD, _HASH - _BAD, _TIME1 - _BAD, _TIME1, _LATE2) == (41, 
 )
 _STRETCH_MASK = STRETCH - 1  # collective numbers n with n & _STRETCH_MASK == 0 begin a stretch of the straggler report
 assert _STRETCH_MASK == 15, "update the literal stretch mask in Agreement.agree_planned (STRETCH: a power of two)"
-_STEP_STRIDE = 1 << 12  # the stamp is (sequence number + input steps * this) modulo 2**bits
+_STEP_STRIDE = 1 << 12  # the stamp is (sequence number + input steps * this + steps left * _LEFT_STRIDE) mod 2**bits
+_LEFT_STRIDE = (1 << 19) + 1  # odd: one step left by an exception changes the stamp whatever the number of bits
 
 
 class Kind(enum.IntEnum):
@@ -448,21 +449,36 @@ class Agreement:
         self._recv_words: Any = self._recv.data
         self.stop_requested = False  # this rank asks for a coordinated stop (carried in the next record)
         self.stop_agreed = False  # some rank asked; every rank learns it at the same collective
-        self._steps_term = 0  # the input steps' part of the stamp: input_steps * _STEP_STRIDE
+        # the stamp's part beyond the sequence number: input_steps * _STEP_STRIDE + steps_left * _LEFT_STRIDE
+        self._steps_term = 0
+        self._input_steps = 0
+        self.steps_left = 0  # steps this rank left by an exception (count_step_left), and how it left the last
+        self._last_left = ""
         _live.append(self)
 
     @property
     def input_steps(self) -> int:
         """Steps drawn from mpidist's input iterators over this communicator: part of every call's stamp."""
-        return self._steps_term // _STEP_STRIDE
+        return self._input_steps
 
     @input_steps.setter
     def input_steps(self, steps: int) -> None:
-        self._steps_term = steps * _STEP_STRIDE
+        self._input_steps = steps
+        self._steps_term = steps * _STEP_STRIDE + self.steps_left * _LEFT_STRIDE
 
     def count_input_step(self) -> None:
         """Local: one more step drawn from an input iterator over this communicator."""
+        self._input_steps += 1
         self._steps_term += _STEP_STRIDE
+
+    def count_step_left(self, how: str) -> None:
+        """Local: this rank left a step (``strategy.run``'s ``fn``, a ``merge_call``'s ``merge_fn``) by an
+        exception, ``how`` (``"KeyError in merge_call"``): part of every later call's stamp. Where only some ranks
+        left it, they skipped collectives the others are in; their next collective then disagrees on every rank
+        instead of pairing with an unrelated one of the others."""
+        self.steps_left += 1
+        self._last_left = how
+        self._steps_term += _LEFT_STRIDE
 
     def _stamp(self) -> float:
         """Local: what every rank's record carries in ``_SEQ``: the collective's number and the input steps drawn."""
@@ -789,6 +805,9 @@ class Agreement:
         else:
             mine = "\n".join([call.describe(), *call.layout()])
         steps = f" after {self.input_steps} input steps" if self.input_steps else ""
+        if self.steps_left:
+            many = self.steps_left > 1
+            steps += f" after leaving {self.steps_left} step{'s' if many else ''} by an exception ({self._last_left})"
         head, *layout = mine.split("\n")
         site = call_site()
         texts = gather_texts(t, "agreement details", "\n".join([f"#{t.seq}{steps} {head}{_at(site)}", *layout]))

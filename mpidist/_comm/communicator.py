@@ -664,6 +664,27 @@ class Communicator:
         """
         self._agreement.count_input_step()
 
+    def left_step(self, where: str, steps_left: int, exc: BaseException) -> None:
+        """Local: note that this rank left ``where`` (``"strategy.run"``, ``"merge_call"``: a step of the program,
+        in which the others may make collectives) by ``exc``, unless it was noted already (:attr:`steps_left` is
+        no longer ``steps_left``, the count before the step).
+
+        How many steps a rank left so is part of what the ranks agree on at each
+        later collective (with ``check_collectives``): where only some ranks left a
+        step, they skipped collectives the others are in, and their next collective
+        raises :class:`~mpidist.CollectiveMismatchError` on every rank, naming them,
+        instead of pairing with an unrelated collective of the others. mpidist's
+        :class:`~mpidist.CommError` (ranks died, a deadline passed: raised on every
+        rank, though not always in the same collective) is not counted.
+        """
+        if self._agreement.steps_left == steps_left and not isinstance(exc, CommError):
+            self._agreement.count_step_left(f"{type(exc).__name__} in {where}")
+
+    @property
+    def steps_left(self) -> int:
+        """Steps of the program this rank left by an exception (:meth:`left_step`)."""
+        return self._agreement.steps_left
+
     def split_counts(self, n: int) -> list[int]:
         """Local: ``n`` items split as evenly as possible over the ranks, lower ranks first."""
         base, extra = divmod(n, self.size)

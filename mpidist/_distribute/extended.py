@@ -364,7 +364,12 @@ class StrategyExtended:
         rank = self._comm.rank
         wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
         with enter_context(self._strategy, None, "merge_call"):
-            result = merge_fn(self._strategy, *wrapped[0], **wrapped[1])
+            left = self._comm.steps_left
+            try:
+                result = merge_fn(self._strategy, *wrapped[0], **wrapped[1])
+            except BaseException as exc:  # on this rank alone, maybe: its next collective says so on every rank
+                self._comm.left_step("merge_call", left, exc)
+                raise
 
         def keep_variables(x: Any) -> Any:
             if isinstance(x, DistributedVariable):

@@ -245,7 +245,12 @@ class MPIStrategy:
         args = map_structure(unwrap, args)
         kwargs = map_structure(unwrap, kwargs)
         with enter_context(self, self._extended.replica_context(), "strategy.run"):
-            result = fn(*args, **kwargs)
+            left = self._communicator.steps_left
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # on this rank alone, maybe: its next collective says so on every rank
+                self._communicator.left_step("strategy.run", left, exc)
+                raise
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
 
     # -- cross-replica collectives -----------------------------------------------------------

@@ -298,3 +298,36 @@ def test_reduce_into_out_allocates_nothing_and_refuses_a_wrong_out(strategy):
     with pytest.raises((ValueError, md.CollectiveMismatchError), match=f"rank {n - 1}"):
         strategy.reduce("mean", values, out=wrong)
     np.testing.assert_array_equal(strategy.reduce("sum", np.ones(1)), [n])  # still usable
+
+
+def test_a_rank_that_left_a_step_by_an_exception_is_named_at_its_next_collective():
+    """The last rank's merge_fn raises; the others reduce inside it. The last rank's next collective has the same
+    identity as their reduce, yet every rank raises instead of pairing them, naming the rank that left the step;
+    afterwards every rank has left one step, and the collectives pair again."""
+    s = MPIStrategy(device="cpu", abort_on_error=False, timeout=30)
+    n, last = s.num_replicas_in_sync, s.num_replicas_in_sync - 1
+    if n == 1:
+        s.free()
+        pytest.skip("one rank cannot leave a step alone")
+
+    def merge(strategy, x):
+        if strategy.rank == last:
+            raise KeyError("only on the last rank")
+        return strategy.reduce("sum", x)
+
+    step = lambda: md.get_replica_context().merge_call(merge, args=(np.ones(3),))  # noqa: E731
+    try:
+        if s.rank == last:
+            with pytest.raises(KeyError):
+                s.run(step)
+        with pytest.raises(md.CollectiveMismatchError) as caught:
+            if s.rank == last:
+                s.reduce("sum", np.ones(3))  # what the others make inside merge_fn
+            else:
+                s.run(step)
+        text = str(caught.value)
+        assert f"rank {last}: #" in text and "after leaving 1 step by an exception (KeyError in merge_call)" in text
+        assert s.communicator.steps_left == 1
+        assert s.reduce("sum", np.ones(2)).tolist() == [n, n]  # every rank left one step: alike again
+    finally:
+        s.free()
