@@ -549,6 +549,23 @@ class Agreement:
         like ``array`` (a view of the record: copy them out before the next
         collective), or ``None``.
         """
+        return self.agree_planned(self.plan_array(kind, name, op, array, update, wire), array, check_finite)
+
+    def plan_array(
+        self,
+        kind: Kind,
+        name: str,
+        op: Optional[ReduceOp],
+        array: Array,
+        update: Any = None,
+        wire: Optional[str] = None,
+    ) -> _Plan:
+        """Local: the plan (:meth:`plan`) of :meth:`agree_array`'s call of ``array``; arguments as there.
+
+        Calls alike in kind, name, op, dtype, shape, array type, update and
+        wire share one plan: a caller that makes such calls over and over may
+        keep it and call :meth:`agree_planned` itself.
+        """
         code = update if update is None else getattr(update, "__code__", update.__class__)
         key = (kind, name, op, array.dtype.char, array.shape, array.__class__, code, wire)
         plan = self._plans.get(key)
@@ -557,7 +574,7 @@ class Agreement:
             call = Call(kind, name, op, array.dtype.char, tuple(array.shape), extra=extra, wire=wire)
             carry = array.size if kind is Kind.ALLREDUCE and carried(array, op) else 0
             plan = self.plan(key, call, carry, tuple(array.shape))
-        return self.agree_planned(plan, array, check_finite)
+        return plan
 
     def plan(self, key: tuple, call: Call, carry: int, shape: tuple) -> _Plan:
         """Local: what :meth:`agree_planned` needs for calls like ``call`` (cached per ``key``).

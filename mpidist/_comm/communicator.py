@@ -169,6 +169,7 @@ class Communicator:
         install_exit_hook()
         self.cuda_awareness = resolve_cuda_aware(self._comm, self.backend, self.options.cuda_aware)
         self.cuda_aware = self.cuda_awareness.enabled
+        self.generation = -1  # counts the builds: what prepare_update made is valid within one
         self._build()
         self._track = track
         if track is not None:
@@ -195,6 +196,7 @@ class Communicator:
     def _build(self) -> None:
         """Collective: the algorithms and the collectives' helpers over the private communicator (again after a
         failure, over the survivors')."""
+        self.generation += 1
         self._algorithms = Algorithms(self._transport, self._topology)
         self.rank: int = self._comm.rank
         self.size: int = self._comm.size
@@ -746,6 +748,21 @@ class Communicator:
         mismatch naming this rank). ``compression`` as in :meth:`allreduce`.
         """
         self._fusion.reduce_apply(sends, targets, ops, fn, names, in_place, error, compression)
+
+    def prepare_update(
+        self, like: Array, op: Optional[ReduceOp], fn: UpdateFn, name: str
+    ) -> Optional[Callable[[Array, Array], None]]:
+        """Local: a function ``update(send, target)`` that makes ``reduce_apply((send,), (target,), (op,), fn,
+        (name,))`` on a shorter path, or ``None`` where such calls have none.
+
+        For the calls one variable's updates make over and over, with sends
+        and targets of ``like``'s type, dtype and shape, C-contiguous: small
+        host ``SUM``/``MEAN`` reductions that travel inside the agreement
+        record. The ranks agree on the same call either way. Valid while
+        :attr:`generation` stays what it was when it was made (the
+        communicator is rebuilt after ranks died).
+        """
+        return self._fusion.prepare(like, op, fn, name)
 
     def allreduce_many(
         self,

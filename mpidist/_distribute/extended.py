@@ -350,6 +350,32 @@ class StrategyExtended:
         if self._check_every:
             self._check_mirrored_when_due(variables)
 
+    def update_one(self, v: DistributedVariable, value: Any, fn: UpdateFn) -> None:
+        """Collective: :meth:`update_mirrored` of one variable, the per-update path of training loops.
+
+        Small variables take the communicator's prepared update
+        (:meth:`~mpidist.Communicator.prepare_update`), kept on the variable
+        per update function; the others, and a value that does not fit,
+        :meth:`update_mirrored`.
+        """
+        comm = self._comm
+        entry = v.prepared_updates.get(fn)
+        if entry is None or entry[0] != comm.generation:
+            op = _AGGREGATION_OPS[v.aggregation]
+            entry = v.prepared_updates[fn] = (comm.generation, comm.prepare_update(v.component, op, fn, v.name))
+        update = entry[1]
+        if update is not None:
+            try:
+                fitted = v.coerce(value)
+            except Exception:  # update_mirrored raises it here, and a mismatch naming this rank on the others
+                update = None
+        if update is None:
+            self.update_mirrored((v,), (value,), fn)
+            return
+        update(fitted, v.component)
+        if self._check_every:
+            self._check_mirrored_when_due((v,))
+
     def _check_mirrored_when_due(self, variables: Sequence[DistributedVariable]) -> None:
         """Collective: ``check_mirrored`` of the variables whose update count reached a multiple of the period."""
         due = [v for v in variables if v.count_update() % self._check_every == 0]

@@ -150,13 +150,14 @@ class OnWritePolicy(Policy):
     synchronization = VariableSynchronization.ON_WRITE
 
     def update(self, var: DistributedVariable, kind: str, value: ArrayLike) -> None:
-        if checked_replica_context(var.strategy, kind, var.name) is None:  # cross-replica, or outside any scope
+        strategy = var._strategy  # the attributes, not the properties: the update is the hot path of training loops
+        if checked_replica_context(strategy, kind, var._name) is None:  # cross-replica, or outside any scope
             UPDATES[kind](var.component, var.coerce(value))
             return
-        require_aggregation(var, kind)
-        # What merge_call would do, without wrapping and unwrapping the arguments: the update is
-        # the hot path of training loops.
-        var.strategy.extended.update_mirrored((var,), (value,), UPDATES[kind])
+        if var._aggregation is VariableAggregation.NONE:
+            require_aggregation(var, kind)
+        # What merge_call would do, without wrapping and unwrapping the arguments
+        strategy.extended.update_one(var, value, UPDATES[kind])
 
     def read(self, var: DistributedVariable) -> Any:
         return var.component
@@ -253,6 +254,9 @@ class DistributedVariable(DistributedValues):
         self._name = name
         self._aggregation = aggregation
         self._updates = 0
+        # per update function: the communicator's prepared update of this variable and the communicator's
+        # generation it was made in (the strategy's update_one)
+        self.prepared_updates: dict[Callable[[Any, Any], None], tuple[int, Optional[Callable[[Any, Any], None]]]] = {}
         register_component(self, strategy.rank, component)
         strategy.extended.track(self)
 

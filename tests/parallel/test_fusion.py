@@ -316,3 +316,80 @@ def test_flat_variables_stay_ordinary(strategy):
     assert_equal(v.numpy(), np.arange(6.0).reshape(2, 3))
     assert_equal(v + 1, np.arange(6.0).reshape(2, 3) + 1)
     assert (v.component.base is not None) == strategy.options.flat_variables
+
+
+def _add(target, reduced):
+    target += reduced
+
+
+def _sub(target, reduced):
+    target -= reduced
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "bool"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_prepared_update_applies_what_reduce_apply_applies(fusion, dtype, op):
+    # The short path of one variable's small updates gives the general path's values, bit for bit, and is
+    # offered only where the agreement record carries the data.
+    if not applicable(op, dtype):
+        pytest.skip(f"{op} is not defined for {dtype}")
+    n, r = fusion.size, fusion.rank
+    reduce_op = ReduceOp.of(op)
+    update = fusion.prepare_update(np.zeros((2, 3), dtype), reduce_op, _add, "prepared")
+    if dtype == "int32" and op == "sum" and fusion.options.check_overflow:  # checked sums: the general path
+        assert update is None
+        return
+    assert update is not None
+    once = np.zeros((2, 3), dtype)
+    update(contribution(r, (2, 3), dtype), once)
+    assert_equal(once, expected(op, n, (2, 3), dtype))
+    general, short = np.zeros((2, 3), dtype), np.zeros((2, 3), dtype)
+    for step in range(3):
+        send = contribution(r + step, (2, 3), dtype)
+        fusion.reduce_apply((send,), (general,), (reduce_op,), _add, ("prepared",))
+        update(send, short)
+        assert_equal(short, general)
+        assert_equal(send, contribution(r + step, (2, 3), dtype))  # the send is left as it was
+
+
+def test_prepared_update_is_only_for_small_host_sums_with_checks_on(fusion):
+    small = np.zeros(4, np.float32)
+    assert fusion.prepare_update(np.zeros(1000, np.float32), ReduceOp.SUM, _add, "big") is None  # not carried
+    assert fusion.prepare_update(small, None, _add, "first") is None  # rank 0's value: a broadcast
+    assert fusion.prepare_update(small, ReduceOp.MAX, _add, "max") is None
+    assert fusion.prepare_update(small[::2], ReduceOp.SUM, _add, "strided") is None
+    unchecked = Communicator(MPI.COMM_WORLD, Options(check_collectives=False, timeout=None))
+    compressed = Communicator(MPI.COMM_WORLD, Options(compression="fp16"))
+    overflow = Communicator(MPI.COMM_WORLD, Options(check_overflow=True))
+    try:
+        assert unchecked.prepare_update(small, ReduceOp.SUM, _add, "unchecked") is None  # no record to carry it
+        assert compressed.prepare_update(small, ReduceOp.MEAN, _add, "fp16") is None
+        assert compressed.prepare_update(np.zeros(4), ReduceOp.MEAN, _add, "float64") is not None
+        assert overflow.prepare_update(np.zeros(4, np.int32), ReduceOp.SUM, _add, "int32") is None
+        assert overflow.prepare_update(small, ReduceOp.SUM, _add, "float32") is not None
+    finally:
+        overflow.free()
+        compressed.free()
+        unchecked.free()
+
+
+def test_prepared_and_general_updates_agree_on_the_call(fusion):
+    # Ranks pair a prepared update with the same call made through reduce_apply, and tell its update function
+    # and name apart from another's: CollectiveMismatchError on every rank, and no target changes.
+    n, r = fusion.size, fusion.rank
+    update = fusion.prepare_update(np.zeros(2), ReduceOp.SUM, _add, "paired")
+    target, send = np.zeros(2), np.full(2, r + 1.0)
+    if r % 2:
+        fusion.reduce_apply((send,), (target,), (ReduceOp.SUM,), _add, ("paired",))
+    else:
+        update(send, target)
+    assert_equal(target, np.full(2, n * (n + 1) / 2))
+    if n == 1:
+        return
+    other = fusion.prepare_update(np.zeros(2), ReduceOp.SUM, _sub if r == n - 1 else _add, "paired")
+    with pytest.raises(CollectiveMismatchError, match=f"rank {n - 1}.*_sub"):
+        other(send, target)
+    renamed = fusion.prepare_update(np.zeros(2), ReduceOp.SUM, _add, "renamed" if r == 0 else "paired")
+    with pytest.raises(CollectiveMismatchError, match="'renamed'"):
+        renamed(send, target)
+    assert_equal(target, np.full(2, n * (n + 1) / 2))
