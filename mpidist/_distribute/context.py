@@ -214,7 +214,6 @@ class ReplicaContext:
         back to the replica with distributed values (other than variables)
         replaced by this replica's component.
         """
-        args, kwargs = call_arguments("merge_call", self.replica_id_in_sync_group, args, kwargs)
         return self.strategy.extended.merge_call(merge_fn, args, kwargs)
 
     def all_reduce(

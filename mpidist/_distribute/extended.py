@@ -21,7 +21,7 @@ from mpidist._comm.backend import array_module, as_array, contiguous
 from mpidist._comm.communicator import Communicator, Handle
 from mpidist._comm.flat_store import FlatStore
 from mpidist._comm.reduce_op import ReduceOp
-from mpidist._distribute.context import ReplicaContext, enter_context
+from mpidist._distribute.context import ReplicaContext, call_arguments, enter_context
 from mpidist._distribute.variables import DistributedVariable, VariableAggregation
 from mpidist._errors import on_rank
 from mpidist._options import Options
@@ -384,18 +384,19 @@ class StrategyExtended:
                 self._strategy.check_mirrored(due)
 
     # -- contexts -----------------------------------------------------------------------------
-    def merge_call(self, merge_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def merge_call(self, merge_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """Collective: ``merge_fn(strategy, *args, **kwargs)`` in cross-replica context; see
         ``ReplicaContext.merge_call``."""
         rank = self._comm.rank
-        wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
-        with enter_context(self._strategy, None, "merge_call"):
-            left = self._comm.steps_left
-            try:
+        left = self._comm.steps_left
+        try:  # whatever fails on this rank alone (its arguments, merge_fn): its next collective says so on every rank
+            args, kwargs = call_arguments("merge_call", rank, args, kwargs)
+            wrapped = regroup({rank: (args, kwargs)}, PerReplica, wrap_identical=is_array)
+            with enter_context(self._strategy, None, "merge_call"):
                 result = merge_fn(self._strategy, *wrapped[0], **wrapped[1])
-            except BaseException as exc:  # on this rank alone, maybe: its next collective says so on every rank
-                self._comm.left_step("merge_call", left, exc)
-                raise
+        except BaseException as exc:
+            self._comm.left_step("merge_call", left, exc)
+            raise
 
         def keep_variables(x: Any) -> Any:
             if isinstance(x, DistributedVariable):

@@ -233,24 +233,24 @@ class MPIStrategy:
         variable, any other object as it is. Collective only if ``fn``
         makes collective calls (``merge_call``, updates of mirrored variables).
         """
-        if checked_replica_context(self, "strategy.run") is not None:
-            raise RuntimeError(
-                on_rank(self.rank, "strategy.run was called inside strategy.run; call fn directly instead")
-            )
 
         def unwrap(x: Any) -> Any:
             return x.get(self.rank) if isinstance(x, PerReplica) and not isinstance(x, DistributedVariable) else x
 
-        args, kwargs = call_arguments("strategy.run", self.rank, args, kwargs)
-        args = map_structure(unwrap, args)
-        kwargs = map_structure(unwrap, kwargs)
-        with enter_context(self, self._extended.replica_context(), "strategy.run"):
-            left = self._communicator.steps_left
-            try:
+        left = self._communicator.steps_left
+        try:  # whatever fails on this rank alone (its context, arguments, fn): its next collective says so everywhere
+            if checked_replica_context(self, "strategy.run") is not None:
+                raise RuntimeError(
+                    on_rank(self.rank, "strategy.run was called inside strategy.run; call fn directly instead")
+                )
+            args, kwargs = call_arguments("strategy.run", self.rank, args, kwargs)
+            args = map_structure(unwrap, args)
+            kwargs = map_structure(unwrap, kwargs)
+            with enter_context(self, self._extended.replica_context(), "strategy.run"):
                 result = fn(*args, **kwargs)
-            except BaseException as exc:  # on this rank alone, maybe: its next collective says so on every rank
-                self._communicator.left_step("strategy.run", left, exc)
-                raise
+        except BaseException as exc:
+            self._communicator.left_step("strategy.run", left, exc)
+            raise
         return regroup({self.rank: result}, PerReplica, wrap_identical=_is_numeric_leaf)
 
     # -- cross-replica collectives -----------------------------------------------------------

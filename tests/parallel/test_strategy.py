@@ -331,3 +331,46 @@ def test_a_rank_that_left_a_step_by_an_exception_is_named_at_its_next_collective
         assert s.reduce("sum", np.ones(2)).tolist() == [n, n]  # every rank left one step: alike again
     finally:
         s.free()
+
+
+@pytest.mark.parametrize("where", ["strategy.run", "merge_call"])
+def test_a_rank_whose_call_arguments_are_refused_has_left_the_step(where):
+    """The last rank passes ``args=5`` (not a tuple) to strategy.run or to merge_call, and catches merge_call's
+    TypeError inside fn; the others reduce inside merge_fn. The refusal comes before fn (merge_fn) starts, yet that
+    rank has left the step as by an exception from it: its next collective (the same reduce) raises on every rank,
+    naming it, instead of pairing with theirs."""
+    s = MPIStrategy(device="cpu", abort_on_error=False, timeout=30)
+    n, last = s.num_replicas_in_sync, s.num_replicas_in_sync - 1
+    if n == 1:
+        s.free()
+        pytest.skip("one rank cannot leave a step alone")
+    bad = s.rank == last
+
+    def merge(strategy, x):
+        return strategy.reduce("sum", x)
+
+    def fn(x):
+        try:
+            return md.get_replica_context().merge_call(merge, args=5 if bad and where == "merge_call" else (x,))
+        except TypeError as exc:  # caught inside fn: strategy.run itself returns normally
+            return exc
+
+    step = lambda: s.run(fn, args=5 if bad and where == "strategy.run" else (np.ones(3),))  # noqa: E731
+    refused = f"rank {last}: {where}: args must be a tuple or list of positional arguments, got int"
+    try:
+        if bad and where == "strategy.run":
+            with pytest.raises(TypeError, match=refused):
+                step()
+        elif bad:
+            error = step()
+            assert isinstance(error, TypeError) and refused in str(error)
+        with pytest.raises(md.CollectiveMismatchError) as caught:
+            if bad:
+                s.reduce("sum", np.ones(3))  # what the others make inside merge_fn
+            else:
+                step()
+        assert f"rank {last}: #" in str(caught.value)
+        assert f"after leaving 1 step by an exception (TypeError in {where})" in str(caught.value)
+        assert s.reduce("sum", np.ones(2)).tolist() == [n, n]  # every rank left one step: alike again
+    finally:
+        s.free()
