@@ -304,6 +304,10 @@ class DistributedVariable(DistributedValues):
         """The variable's value. Collective for a sync-on-read variable outside replica context: in
         cross-replica context and outside any strategy scope it reduces every replica's component, so every
         rank must call it; local otherwise (see the class docstrings). ``numpy.asarray(v)`` is never collective.
+
+        Where it is local, it returns this rank's component itself, not a copy: writing into it changes
+        that component alone, without synchronising (a mirrored variable's replicas diverge). For a copy
+        use :meth:`numpy` (host NumPy) or ``v.read_value().copy()``.
         """
         return self.policy.read(self)
 
@@ -412,7 +416,10 @@ class MirroredVariable(DistributedVariable, Mirrored):
     - Cross-replica context, and outside any strategy scope: updates apply
       the argument as given on every rank (pass the same value everywhere).
       Local.
-    - ``read_value()`` is the local component. Local.
+    - ``read_value()`` is the local component itself, not a copy. Local.
+      Writing into it changes this rank's component without synchronising,
+      and the replicas diverge; ``v.numpy()`` or ``v.read_value().copy()``
+      is a copy.
 
     Python operators, attribute access and ``numpy.asarray`` act on the local
     component, as for :class:`~mpidist.Mirrored`.
