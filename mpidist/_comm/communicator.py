@@ -128,7 +128,7 @@ class Communicator:
                 error, options = exc, Options()
         self.options = options
         self._comm = duplicate(base, options.timeout)
-        world = number_communicator(self._comm.size)  # counted also without a timeline: alike on every rank
+        world = number_communicator(self._comm)  # counted also without a timeline: alike on every rank
         # The timeline this communicator records into (options.timeline), or None: then nothing is recorded.
         self.timeline: Optional[Timeline] = None
         track: Optional[Track] = None

@@ -31,7 +31,8 @@ one clock per machine, which the merge aligns across machines. The events:
   the order this rank created them, with their rank and size in ``args`` (and ``world``, for
   a communicator over every rank: its number among those, alike on every rank);
 - ``"timeline"`` (an instant at the start): rank, size, host, the wall-clock
-  time and the trace clock at the same moment;
+  time and the trace clock at the same moment, and the job's identity
+  (``job``: alike on every rank of the job, see :func:`number_communicator`);
 - a collective: its agreement, an event of category ``"wait"`` (the rank
   waited there for the others) named by the call (``allreduce(mean) of 'w1'
   float32[64, 64]``), with ``kind``, ``name``, ``bytes`` and ``seq`` (the
@@ -103,14 +104,27 @@ _FIELDS = 5
 _BATCH_ITEMS = BATCH * _FIELDS
 _open: dict[str, Timeline] = {}  # by absolute directory
 _world_communicators = itertools.count(1)  # numbers of the communicators over every rank (number_communicator)
+_job: Optional[str] = None  # the job's identity, alike on every rank: set with the first communicator over every rank
 
 
-def number_communicator(size: int) -> Optional[int]:
-    """Local, for every mpidist communicator this process creates, with a timeline or without: a communicator of
-    ``size`` ranks gets its number among the communicators over every rank, which is the same on every rank (each
-    takes part in creating each of them), or ``None`` when it is smaller. The merge matches the ranks' tracks by
-    it, also where ranks recorded different communicators (the option is local)."""
-    return next(_world_communicators) if size == MPI.COMM_WORLD.size else None
+def number_communicator(comm: MPI.Intracomm) -> Optional[int]:
+    """For every mpidist communicator this process creates, with a timeline or without: ``comm``'s number among
+    the communicators over every rank, which is the same on every rank (each takes part in creating each of
+    them), or ``None`` when it is smaller. The merge matches the ranks' tracks by it, also where ranks recorded
+    different communicators (the option is local).
+
+    Collective over the first communicator over every rank (one small broadcast), local otherwise: there the
+    ranks take its rank 0's host, process id and clock as the job's identity, which every rank's timeline
+    writes in its header, so that the merge can tell the files of this job from those an earlier job of as many
+    ranks left in the directory. A timeline opened before (on a smaller communicator) is written without it.
+    """
+    global _job
+    if comm.size != MPI.COMM_WORLD.size:
+        return None
+    number = next(_world_communicators)
+    if number == 1:
+        _job = comm.bcast(f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}" if comm.rank == 0 else None)
+    return number
 
 
 def open_timeline(directory: str) -> Timeline:
@@ -169,6 +183,7 @@ class Timeline:
                         "process": os.getpid(),
                         "wall_time": time.time(),
                         "mpidist": __version__,
+                        **({} if _job is None else {"job": _job}),
                     },
                 }
             )

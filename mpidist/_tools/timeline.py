@@ -99,6 +99,7 @@ class RankTrace:
     world_tracks: dict[int, int]  # tid -> number among the communicators over every rank (files without
     # one: the position among this rank's)
     started: float  # the wall-clock time at which the rank opened the file (0 when the header has none)
+    job: Optional[str]  # the job's identity, alike on every rank of one job (None when the header has none)
 
 
 @dataclasses.dataclass
@@ -192,15 +193,16 @@ def read_trace(path: str) -> RankTrace:
         complete=complete,
         world_tracks={tid: args.get("world", i) for i, (tid, args) in enumerate(world)},
         started=started,
+        job=None if info.get("job") is None else str(info["job"]),
     )
 
 
 def read_directory(directory: str, notes: Optional[list[str]] = None) -> dict[int, RankTrace]:
     """Local: every rank's file in ``directory``, by rank, of one job: the one that started last.
 
-    Files that cannot be read, that name another rank than their file name, or that come from a job of
-    another size (left there by an earlier run) are left out, each with a line saying why appended to
-    ``notes`` (when given).
+    Files that cannot be read, that name another rank than their file name, or that come from another job
+    (left there by an earlier run: of another size, or of another job identity where both files have one) are
+    left out, each with a line saying why appended to ``notes`` (when given).
     """
     traces: dict[int, RankTrace] = {}
     for path in sorted(glob.glob(os.path.join(directory, _FILE_GLOB))):
@@ -227,6 +229,13 @@ def read_directory(directory: str, notes: Optional[list[str]] = None) -> dict[in
                     notes,
                     f"left out rank {rank}'s file: it comes from another job, of {trace.size} ranks "
                     f"(the last job to start had {job.size})",
+                )
+                del traces[rank]
+            elif None not in (trace.job, job.job) and trace.job != job.job:
+                _note(
+                    notes,
+                    f"left out rank {rank}'s file: it comes from another job of {trace.size} ranks "
+                    f"(job {trace.job}; the last job to start is {job.job})",
                 )
                 del traces[rank]
     return traces

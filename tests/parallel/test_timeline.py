@@ -32,6 +32,15 @@ def test_the_option_may_differ_between_ranks(shared_tmp):
     strategy.free()
 
 
+def test_every_rank_of_the_job_writes_the_same_job_identity(shared_tmp):
+    strategy = md.MPIStrategy(device="cpu", timeline=str(shared_tmp))
+    strategy.reduce("sum", np.ones(2))
+    strategy.free()
+    MPI.COMM_WORLD.Barrier()  # every file written
+    jobs = {trace.job for trace in read_directory(str(shared_tmp)).values()}
+    assert len(jobs) == 1 and None not in jobs  # each rank reads every rank's file
+
+
 def test_a_timeline_that_cannot_be_written_raises_on_every_rank_naming_the_rank(shared_tmp):
     blocker = shared_tmp / "a-file"
     if MPI.COMM_WORLD.rank == 0:

@@ -173,6 +173,18 @@ def test_with_every_check_off_each_collective_is_one_transfer_event(n, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_a_file_an_earlier_job_of_as_many_ranks_left_is_not_merged(slow_job, tmp_path):
+    n, earlier, _ = slow_job
+    result = launch(n, tmp_path)
+    assert result.returncode == 0, result.describe()
+    stale = f"timeline-rank{n - 1}.json"  # as if this job had not recorded on its last rank
+    (tmp_path / "timeline" / stale).write_bytes((earlier / "timeline" / stale).read_bytes())
+    done = merge(tmp_path / "timeline", "--no-picture")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"note: left out rank {n - 1}'s file: it comes from another job of {n} ranks" in done.stdout, done.stdout
+    assert f"note: no file of rank(s) {n - 1}" in done.stdout
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_killed_job_leaves_files_the_merge_reads(n, tmp_path):
     result = launch(n, tmp_path, "--kill")

@@ -224,6 +224,40 @@ def test_files_of_an_earlier_job_of_another_size_are_left_out(tmp_path, capsys):
     assert "the others waited most for rank 0" in printed and "clock of rank 2" not in printed
 
 
+def set_header(path: Path, **fields) -> None:
+    """Rewrite the ``timeline`` event of the rank file ``path`` with ``fields`` in its ``args`` (``None``: without)."""
+    events = json.loads(path.read_text())
+    for e in events:
+        if e.get("name") == "timeline":
+            e["args"].update(fields)
+            e["args"] = {key: value for key, value in e["args"].items() if value is not None}
+    path.write_text(json.dumps(events))
+
+
+def test_files_of_an_earlier_job_of_the_same_size_are_left_out(tmp_path, capsys):
+    model_job(tmp_path, {0: 0.0, 1: 0.0, 2: 0.0}, slow=1, collectives=20)  # the earlier job, of 3 ranks
+    set_header(tmp_path / "timeline-rank1.json", job="vm:41:1000", wall_time=1000.0)
+    later = tmp_path / "later"
+    later.mkdir()
+    model_job(later, {0: 0.0, 1: 0.0, 2: 0.0}, slow=0, collectives=30)
+    for r in (0, 2):  # a later job of 3 ranks recorded on ranks 0 and 2 only: rank 1's file is the earlier job's
+        set_header(later / f"timeline-rank{r}.json", job="vm:57:2000", wall_time=2000.0 + r)
+        (tmp_path / f"timeline-rank{r}.json").write_bytes((later / f"timeline-rank{r}.json").read_bytes())
+    notes: list = []
+    assert sorted(read_directory(str(tmp_path), notes)) == [0, 2]
+    assert notes == [
+        "left out rank 1's file: it comes from another job of 3 ranks (job vm:41:1000; "
+        "the last job to start is vm:57:2000)"
+    ]
+    assert main(["timeline", str(tmp_path), "--no-picture"]) == 0
+    printed = capsys.readouterr().out
+    assert "note: left out rank 1's file" in printed and "note: no file of rank(s) 1" in printed
+    assert "the others waited most for rank 0" in printed and "clock of rank 1" not in printed
+    set_header(tmp_path / "timeline-rank1.json", job=None)  # a file of an earlier version, without the field
+    notes = []
+    assert sorted(read_directory(str(tmp_path), notes)) == [0, 1, 2] and notes == []  # merged, as before
+
+
 def test_a_file_that_holds_another_ranks_events_is_left_out(tmp_path):
     model_job(tmp_path, {0: 0.0, 1: 0.0, 2: 0.0}, slow=1, collectives=10)
     (tmp_path / "timeline-rank2.json").write_bytes((tmp_path / "timeline-rank0.json").read_bytes())
