@@ -524,9 +524,9 @@ class Checkpoint:
         previous: dict[str, Any] = {}
         try:
             for name, obj, entry in states:
-                state = entry["state"] if "state" in entry else entry["rank_states"][run.rank]
+                state = fmt.saved_state(entry, run.rank)  # a fresh copy
                 previous[name] = obj.get_state()
-                obj.set_state(json.loads(json.dumps(state)))  # a fresh copy
+                obj.set_state(state)
         except BaseException as exc:
             failure = exc
         try:
@@ -587,11 +587,20 @@ class Checkpoint:
             entry = dict(description)
             name = entry["name"]
             if entry["kind"] == fmt.STATE:
-                states = [s[name] for s in states_by_rank]
-                if all(s == states[0] for s in states):
-                    entry["state"] = states[0]
+                # strict JSON: NaN and infinities as nulls and marks (NaN != NaN: the strict forms are compared)
+                strict = [fmt.strict_state(s[name]) for s in states_by_rank]
+                if all(s == strict[0] for s in strict):
+                    entry["state"] = strict[0][0]
+                    marks = [[["state", *path], spelling] for path, spelling in strict[0][1]]
                 else:
-                    entry["rank_states"] = states
+                    entry["rank_states"] = [state for state, _ in strict]
+                    marks = [
+                        [["rank_states", rank, *path], spelling]
+                        for rank, (_, rank_marks) in enumerate(strict)
+                        for path, spelling in rank_marks
+                    ]
+                if marks:
+                    entry[fmt.NONFINITE] = marks
             else:
                 stored = fmt.stored_dtype(entry["dtype"])
                 header = fmt.npy_header(entry["shape"], stored)

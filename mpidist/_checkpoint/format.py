@@ -17,9 +17,13 @@ reads it); ``manifest.json`` is plain JSON. Nothing in a checkpoint is ever
 unpickled or executed. bfloat16 (``ml_dtypes.bfloat16``; NumPy has none) is
 spelled ``"bfloat16"`` in the manifest and stored as its 16-bit patterns under
 a ``'<u2'`` (uint16) header, so that NumPy alone reads every file; only turning
-those bits back into bfloat16 values needs ml_dtypes. A save holding bfloat16
-is of format version 2, any other of version 1, which every reader since the
-first reads (as a ``.npy`` header is of version 1.0 unless it needs 2.0).
+those bits back into bfloat16 values needs ml_dtypes. The manifest is strict
+JSON: an iterator state's NaN and infinities, which JSON cannot spell, are
+``null`` there and listed beside the state (:data:`NONFINITE`), so that a
+restore puts them back. A save whose iterator states hold NaN or infinities is
+of format version 3, one holding bfloat16 of version 2 (at least), any other
+of version 1, which every reader since the first reads (as a ``.npy`` header
+is of version 1.0 unless it needs 2.0).
 
 Atomicity: a save writes a hidden ``.tmp-ckpt-*`` directory, fsyncs its files
 and the directory, and only then renames it to ``ckpt-NNNNNN``: a rename is
@@ -48,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import secrets
@@ -77,8 +82,9 @@ __all__ = [
 ]
 
 FORMAT = "mpidist-checkpoint"
-FORMAT_VERSION = 2  # the newest this mpidist writes and reads
+FORMAT_VERSION = 3  # the newest this mpidist writes and reads
 BFLOAT16_VERSION = 2  # the first format whose entries may be bfloat16; saves without bfloat16 stay version 1
+NONFINITE_VERSION = 3  # the first whose iterator states may hold NaN and infinities (NONFINITE); others stay older
 MANIFEST = "manifest.json"
 VERSION_PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-ckpt-"
@@ -89,6 +95,11 @@ BLOCK_BYTES = 8 << 20
 BLOCK_BYTES_KEY, BLOCK_CRCS_KEY = "chunk_bytes", "chunk_crc32"
 
 MIRRORED, SYNC_ON_READ, ARRAY, STATE = "mirrored", "sync_on_read", "array", "state"
+# JSON has no NaN or infinities: a state entry holds null in their place, and lists each under this key as
+# [path, spelling]: the keys and list indices that lead to it from the entry ("state" or "rank_states" first), and
+# its spelling in Python's JSON, which is how it reads back.
+NONFINITE = "nonfinite"
+NONFINITE_VALUES = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 ARRAY_KINDS = (MIRRORED, SYNC_ON_READ, ARRAY)
 
 _VERSION_RE = re.compile(rf"^{re.escape(VERSION_PREFIX)}(\d+)$")
@@ -336,16 +347,21 @@ def canonical(obj: Any) -> bytes:
 
 
 def encode_manifest(manifest: dict) -> bytes:
-    """The manifest as JSON text with its own CRC-32 (of the canonical form of everything else)."""
+    """The manifest as strict JSON text (``ValueError`` on a NaN or infinity) with its own CRC-32 (of the
+    canonical form of everything else)."""
     body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
-    return json.dumps({**body, "manifest_crc32": zlib.crc32(canonical(body))}, indent=1).encode()
+    return json.dumps({**body, "manifest_crc32": zlib.crc32(canonical(body))}, indent=1, allow_nan=False).encode()
 
 
 def make_manifest(entries: list[dict], world_size: int, block_bytes: int) -> dict:
-    """The manifest of a save: of format version 1 unless an entry needs a newer one (bfloat16 needs 2)."""
+    """The manifest of a save: of format version 1 unless an entry needs a newer one (bfloat16 needs 2, a state
+    with NaN or infinities 3)."""
     return {
         "format": FORMAT,
-        "format_version": BFLOAT16_VERSION if any(e.get("dtype") == BFLOAT16 for e in entries) else 1,
+        "format_version": max(
+            BFLOAT16_VERSION if any(e.get("dtype") == BFLOAT16 for e in entries) else 1,
+            NONFINITE_VERSION if any(NONFINITE in e for e in entries) else 1,
+        ),
         "mpidist_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "world_size": world_size,
@@ -353,6 +369,48 @@ def make_manifest(entries: list[dict], world_size: int, block_bytes: int) -> dic
         BLOCK_BYTES_KEY: block_bytes,
         "entries": entries,
     }
+
+
+def strict_state(state: Any) -> tuple[Any, list[list]]:
+    """Local: a copy of the JSON value ``state`` with each NaN or infinity replaced by ``None``, and where each was:
+    ``[path, spelling]`` (the path from ``state``, see :data:`NONFINITE`)."""
+    marks: list[list] = []
+    path: list[Union[str, int]] = []
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            marks.append([list(path), json.dumps(value)])  # "NaN", "Infinity" or "-Infinity"
+            return None
+        if isinstance(value, dict):
+            return {key: inside(key, item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [inside(index, item) for index, item in enumerate(value)]
+        return value
+
+    def inside(step: Union[str, int], item: Any) -> Any:
+        path.append(step)
+        result = copy(item)
+        path.pop()
+        return result
+
+    return copy(state), marks
+
+
+def saved_state(entry: dict, rank: int) -> Any:
+    """Local: a fresh copy of the state a state entry (checked: :mod:`mpidist._checkpoint.validate`) holds for
+    ``rank``, with its NaN and infinities (:data:`NONFINITE`) in place of their nulls."""
+    at: list[Union[str, int]] = ["state"] if "state" in entry else ["rank_states", rank]
+    state = json.loads(json.dumps(entry["state"] if "state" in entry else entry["rank_states"][rank]))
+    for path, spelling in entry.get(NONFINITE, ()):
+        if path[: len(at)] != at:
+            continue  # another rank's
+        if len(path) == len(at):
+            return NONFINITE_VALUES[spelling]  # the state itself
+        holder = state
+        for step in path[len(at) : -1]:
+            holder = holder[step]
+        holder[path[-1]] = NONFINITE_VALUES[spelling]
+    return state
 
 
 def entry_array(entry: dict, buffer: ArrayLike, dtype: np.dtype) -> np.ndarray:
@@ -490,7 +548,7 @@ def describe_entry(entry: dict) -> dict[str, str]:
     """Columns of one entry for listings: name, kind, shape, dtype, aggregation, size."""
     if entry["kind"] == STATE:
         states = entry.get("rank_states")
-        detail = f"{len(states)} per-rank states" if states is not None else json.dumps(entry.get("state"))
+        detail = f"{len(states)} per-rank states" if states is not None else json.dumps(saved_state(entry, 0))
         return {
             "name": entry["name"],
             "kind": STATE,

@@ -28,6 +28,9 @@ from mpidist._checkpoint.format import (
     FORMAT,
     FORMAT_VERSION,
     MIRRORED,
+    NONFINITE,
+    NONFINITE_VALUES,
+    NONFINITE_VERSION,
     STATE,
     SYNC_ON_READ,
     block_count,
@@ -141,19 +144,49 @@ def check_manifest(manifest: dict) -> None:
         names.add(name)
         kind = entry.get("kind")
         if kind == STATE:
-            _check_state(entry, world)
+            _check_state(entry, world, version)
         elif kind in ARRAY_KINDS:
             _check_array(entry, block, files, version)
         else:
             raise ValueError(f"entry {name!r} has unknown kind {kind!r}")
 
 
-def _check_state(entry: dict, world: int) -> None:
+def _check_state(entry: dict, world: int, version: int) -> None:
     name = entry["name"]
     if ("state" in entry) == ("rank_states" in entry):
         raise ValueError(f"state entry {name!r} needs exactly one of 'state' and 'rank_states'")
     if "rank_states" in entry:
         _need(entry, "rank_states", lambda v: isinstance(v, list) and len(v) == world)
+    if NONFINITE in entry:
+        if version < NONFINITE_VERSION:
+            raise ValueError(f"entry {name!r} marks NaN or infinities, which format version {version} cannot hold")
+        for mark in _need(entry, NONFINITE, lambda v: isinstance(v, list) and len(v) > 0):
+            _check_nonfinite_mark(entry, mark)
+
+
+def _check_nonfinite_mark(entry: dict, mark: Any) -> None:
+    """``ValueError`` unless ``mark`` is ``[path, spelling]`` whose path leads to a null of the entry's state."""
+    name = entry["name"]
+    if not (
+        isinstance(mark, list)
+        and len(mark) == 2
+        and isinstance(mark[0], list)
+        and mark[0]
+        and isinstance(mark[1], str)
+        and mark[1] in NONFINITE_VALUES
+    ):
+        raise ValueError(f"entry {name!r}: unusable non-finite mark {_short(mark)}")
+    path = mark[0]
+    if path[0] not in ("state", "rank_states"):
+        raise ValueError(f"entry {name!r}: non-finite mark {_short(path)} is not inside the state")
+    holder: Any = entry
+    for step in path:
+        key = isinstance(holder, dict) and isinstance(step, str) and step in holder
+        if not (key or (isinstance(holder, list) and _is_int(step) and 0 <= step < len(holder))):
+            raise ValueError(f"entry {name!r}: non-finite mark {_short(path)} leads nowhere")
+        holder = holder[step]
+    if holder is not None:
+        raise ValueError(f"entry {name!r}: non-finite mark {_short(path)} is not at a null")
 
 
 def _check_array(entry: dict, block: int, files: set[str], version: int) -> None:

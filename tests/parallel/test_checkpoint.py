@@ -365,6 +365,63 @@ def test_per_rank_iterator_states_restore_only_on_the_same_number_of_ranks(share
             assert state.value == -1
 
 
+class Statistics:
+    """An iterator-like object whose state holds whatever JSON-like value it is given (NaN, infinities)."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state) -> None:
+        self.state = state
+
+
+def refuse_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def same_json(a, b) -> bool:
+    """Equal, NaN counting as equal to NaN (and told apart from None)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a:
+        return b != b
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_iterator_states_with_nan_and_infinities_restore_exactly_from_a_strict_json_manifest(shared_dir):
+    size = WORLD.size
+    nan, inf = float("nan"), float("inf")
+    alike = {"loss": nan, "best": inf, "worst": -inf, "history": [1.5, nan, [None, -inf]], "none": None, "text": "NaN"}
+    mine = {"rank": WORLD.rank, "loss": nan if WORLD.rank == 0 else float(WORLD.rank)}  # differs between ranks
+    with group(size) as strategy:
+        with strategy.scope():
+            saved = Checkpoint(alike=Statistics(alike), mine=Statistics(mine)).save(shared_dir)
+        text = (Path(saved) / fmt.MANIFEST).read_text()
+        manifest = json.loads(text, parse_constant=refuse_constant)  # strict JSON: no NaN, Infinity
+        entries = {e["name"]: e for e in manifest["entries"]}
+        assert "state" in entries["alike"]  # NaN on every rank is the same state, saved once
+        assert ("state" in entries["mine"]) == (size == 1)
+        assert manifest["format_version"] == 3
+        restored = Statistics(None), Statistics(None)
+        with strategy.scope():
+            Checkpoint(alike=restored[0], mine=restored[1]).restore(shared_dir)
+        assert same_json(restored[0].state, alike) and same_json(restored[1].state, mine)
+        assert not same_json(restored[0].state, {**alike, "loss": None})  # the comparison tells NaN from None
+    if size == 1:
+        return
+    with group(size - 1) as strategy:  # a state alike on every rank restores on another number of ranks
+        if strategy is not None:
+            restored = Statistics(None)
+            with strategy.scope():
+                Checkpoint(alike=restored).restore(shared_dir)
+            assert same_json(restored.state, alike)
+
+
 def test_keep_and_restore_of_an_older_save(strategy, shared_dir):
     with strategy.scope():
         step = mpidist.Variable(np.zeros((), np.int64), name="step")

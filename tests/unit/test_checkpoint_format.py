@@ -629,6 +629,106 @@ def test_bfloat16_is_refused_on_a_big_endian_machine(strategy, bfloat16, tmp_pat
         read_checkpoint(tmp_path / "ckpt")
 
 
+# -- iterator states with NaN and infinities --------------------------------------------------------
+class Statistics:
+    """Iterator-like test object whose state is any JSON-like value (NaN and infinities too)."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def get_state(self):
+        return self.state
+
+    def set_state(self, state) -> None:
+        self.state = state
+
+
+NONFINITE_STATE = {
+    "loss": float("nan"),
+    "best": float("inf"),
+    "history": [1.5, float("-inf"), [None, float("nan")]],
+    "none": None,
+    "text": "NaN",
+}
+
+
+def refuse_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def test_iterator_states_with_nan_and_infinities_are_strict_json_and_restore_exactly(strategy, tmp_path, capsys):
+    with strategy.scope():
+        checkpoint = Checkpoint(stats=Statistics(NONFINITE_STATE), bare=Statistics(float("nan")))
+        save_dir = Path(checkpoint.save(tmp_path / "ckpt"))
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text(), parse_constant=refuse_constant)
+    assert manifest["format_version"] == 3  # a reader of format 2 would take the nulls for the values: it refuses
+    entries = {e["name"]: e for e in manifest["entries"]}
+    assert entries["stats"]["state"]["loss"] is None and entries["stats"]["state"]["history"][2] == [None, None]
+    assert entries["bare"]["state"] is None
+    restored = Statistics(None), Statistics(None)
+    with strategy.scope():
+        Checkpoint(stats=restored[0], bare=restored[1]).restore(save_dir)
+    state = restored[0].state
+    assert np.isnan(state["loss"]) and state["best"] == float("inf") and state["none"] is None
+    assert state["history"][:2] == [1.5, float("-inf")] and state["history"][2][0] is None
+    assert np.isnan(state["history"][2][1]) and state["text"] == "NaN" and np.isnan(restored[1].state)
+    assert cli(["checkpoint", "inspect", str(save_dir)]) == 0
+    assert '"loss": NaN' in capsys.readouterr().out  # listed as Python writes the value
+    assert cli(["checkpoint", "inspect", "--json", str(save_dir)]) == 0
+    report = json.loads(capsys.readouterr().out, parse_constant=refuse_constant)  # the manifest as saved
+    assert report["manifest"] == manifest
+
+
+def test_a_reader_of_format_2_refuses_a_save_with_nonfinite_states(strategy, tmp_path, monkeypatch):
+    from mpidist._checkpoint import validate
+
+    with strategy.scope():
+        Checkpoint(stats=Statistics(NONFINITE_STATE)).save(tmp_path / "ckpt")
+    monkeypatch.setattr(validate, "FORMAT_VERSION", 2)
+    with pytest.raises(CheckpointError, match=r"checkpoint format version 3 is newer than this mpidist .* reads \(2\)"):
+        read_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_state_saved_with_nan_by_an_earlier_version_still_restores(strategy, tmp_path):
+    with strategy.scope():
+        save_dir = Path(Checkpoint(stats=Statistics({"loss": 0.0})).save(tmp_path / "ckpt"))
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
+    manifest["entries"][0]["state"]["loss"] = float("nan")  # written as NaN, as versions before format 3 did
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    (save_dir / fmt.MANIFEST).write_text(json.dumps({**body, "manifest_crc32": zlib.crc32(fmt.canonical(body))}))
+    restored = Statistics(None)
+    with strategy.scope():
+        Checkpoint(stats=restored).restore(save_dir)
+    assert np.isnan(restored.state["loss"])
+
+
+@pytest.mark.parametrize(
+    "marks, refusal",
+    [
+        ([[["state", "loss"], "NaN"]], "format version 2 cannot hold"),
+        ([[["state", "loss"], "nan"]], r"unusable non-finite mark \[\['state', 'loss'\], 'nan'\]"),
+        ([[["state", "text"], "NaN"]], r"non-finite mark \['state', 'text'\] is not at a null"),
+        ([[["state", "gone"], "NaN"]], r"non-finite mark \['state', 'gone'\] leads nowhere"),
+        ([[["state", "history", 5], "NaN"]], r"non-finite mark \['state', 'history', 5\] leads nowhere"),
+        ([[["state", "history", True], "NaN"]], r"non-finite mark \['state', 'history', True\] leads nowhere"),
+        ([[["name"], "NaN"]], r"non-finite mark \['name'\] is not inside the state"),
+        ([[[], "NaN"]], r"unusable non-finite mark"),
+        ([], r"'nonfinite' has an unusable value \[\]"),
+        ("NaN", r"'nonfinite' has an unusable value 'NaN'"),
+    ],
+)
+def test_a_manifest_with_a_malformed_nonfinite_mark_is_refused(strategy, tmp_path, marks, refusal):
+    with strategy.scope():
+        save_dir = Path(Checkpoint(stats=Statistics(NONFINITE_STATE)).save(tmp_path / "ckpt"))
+    manifest = json.loads((save_dir / fmt.MANIFEST).read_text())
+    manifest["entries"][0][fmt.NONFINITE] = marks
+    if "format version 2" in refusal:
+        manifest["format_version"] = 2
+    (save_dir / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))
+    with pytest.raises(CheckpointError, match=f"malformed manifest.*{refusal}"):
+        read_checkpoint(save_dir)
+
+
 # -- saves killed with SIGKILL ----------------------------------------------------------------------
 def assert_complete_save(path, k=None):
     """The save at ``path`` verifies and all its entries belong to one save k; returns k."""
