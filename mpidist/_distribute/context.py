@@ -106,9 +106,10 @@ def checked_replica_context(
     ``run``) is another strategy's: ``what`` (a method of ``strategy``, or
     of its variable named ``variable``) must not run there, as in TensorFlow.
     """
-    top = _top()
-    if top is None:
+    frames = _stack.frames  # _top(), spelled out: every variable update asks
+    if not frames:
         return None
+    top = frames[-1]
     if top.strategy is not strategy:
         raise _mixing_error(strategy, top.strategy, what if variable is None else f"{what} of variable {variable!r}")
     return top.replica
