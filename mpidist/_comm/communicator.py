@@ -760,7 +760,11 @@ class Communicator:
         host ``SUM``/``MEAN`` reductions that travel inside the agreement
         record. The ranks agree on the same call either way. Valid while
         :attr:`generation` stays what it was when it was made (the
-        communicator is rebuilt after ranks died).
+        communicator is rebuilt after ranks died). Nothing checks the
+        promise: the strategy's variable updates use it, after fitting the
+        value to the variable.
+
+        :meta private:
         """
         return self._fusion.prepare(like, op, fn, name)
 
