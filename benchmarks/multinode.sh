@@ -128,6 +128,13 @@ for rate in $RATES; do
                 [ -n "${!name+set}" ] || export "${line?}"
             done < "jobs/env.$mpi"
             export OMP_NUM_THREADS=1 PYTHONPATH=$checkout${PYTHONPATH:+:$PYTHONPATH}
+            # the nodes share this machine's cores, which each node's slots do not say: where the ranks outnumber
+            # the cores, Open MPI must yield while it waits (as it does when it sees more ranks than slots), or
+            # the waiting ranks spin on the cores the ranks moving data need (raw 16 MiB allreduce at 1 Gbit/s:
+            # 2.0 s spinning, 0.14 s yielding)
+            if [ "$mpi" = openmpi ] && [ $((NODES * PER_NODE)) -gt "$(nproc)" ]; then
+                export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
+            fi
             # shellcheck disable=SC2046  # the launcher's words
             timeout 3600 $(launch "$mpi") benchmarks/multinode_bench.py --out "$dir" --rate "$rate" --link "$link" \
                 --repeats "$REPEATS" --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" \
