@@ -23,6 +23,7 @@ import mpidist
 from mpidist._checkpoint import checkpoint as _checkpoint, format as fmt, reader
 from mpidist._checkpoint.checkpoint import Checkpoint, read_checkpoint
 from mpidist._errors import ChecksumError
+from states import Statistics
 
 pytestmark = pytest.mark.mpi
 
@@ -363,19 +364,6 @@ def test_per_rank_iterator_states_restore_only_on_the_same_number_of_ranks(share
             with strategy.scope(), pytest.raises(ValueError, match=f"different state on each of {size} ranks"):
                 Checkpoint(state=state).restore(shared_dir)
             assert state.value == -1
-
-
-class Statistics:
-    """An iterator-like object whose state holds whatever JSON-like value it is given (NaN, infinities)."""
-
-    def __init__(self, state) -> None:
-        self.state = state
-
-    def get_state(self):
-        return self.state
-
-    def set_state(self, state) -> None:
-        self.state = state
 
 
 def refuse_constant(name: str):

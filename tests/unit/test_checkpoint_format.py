@@ -30,6 +30,7 @@ from mpidist._errors import CheckpointError, ChecksumError
 from mpidist._tools.cli import main as cli
 from mpirun import run_mpi
 from paths import SAMPLES
+from states import Statistics
 
 JOB = SAMPLES / "checkpoint_save_job.py"
 TIMEOUT = 60
@@ -630,19 +631,6 @@ def test_bfloat16_is_refused_on_a_big_endian_machine(strategy, bfloat16, tmp_pat
 
 
 # -- iterator states with NaN and infinities --------------------------------------------------------
-class Statistics:
-    """Iterator-like test object whose state is any JSON-like value (NaN and infinities too)."""
-
-    def __init__(self, state) -> None:
-        self.state = state
-
-    def get_state(self):
-        return self.state
-
-    def set_state(self, state) -> None:
-        self.state = state
-
-
 NONFINITE_STATE = {
     "loss": float("nan"),
     "best": float("inf"),
