@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,10 +77,13 @@ def manifest_of(root: Path) -> dict:
 
 
 def rewrite(root: Path, change: Callable[[dict], Any]) -> None:
-    """Apply ``change`` to the manifest and write it back with a correct CRC-32."""
+    """Apply ``change`` to the manifest and write it back with a correct CRC-32, as any writer could: NaN and
+    infinities as JSON's non-strict tokens (which mpidist itself no longer writes, and earlier versions did)."""
     manifest = manifest_of(root)
     change(manifest)
-    (save_dir(root) / fmt.MANIFEST).write_bytes(fmt.encode_manifest(manifest))
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    text = json.dumps({**body, "manifest_crc32": zlib.crc32(fmt.canonical(body))}, indent=1)
+    (save_dir(root) / fmt.MANIFEST).write_text(text)
 
 
 def entry(manifest: dict, name: str) -> dict:
