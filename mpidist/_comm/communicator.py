@@ -1009,10 +1009,12 @@ class Communicator:
         if not blocking:
             requests, complete = reduction.start(what, pieces, mpi_op)
             return requests, lambda: (complete(), finish())[1]
-        for piece, (lo, hi) in zip(pieces, ranges):
-            reduction.reduce(what, piece, mpi_op)
-            if op is ReduceOp.MEAN and not staged:
-                divide_in_place(flat_target[lo:hi], self.size)  # while the piece is in cache
+
+        def divide(k: int) -> None:  # while the piece is in cache
+            lo, hi = ranges[k]
+            divide_in_place(flat_target[lo:hi], self.size)
+
+        reduction.reduce_pieces(what, pieces, mpi_op, divide if op is ReduceOp.MEAN and not staged else None)
         return finish()
 
     def _reduce_data_whole(

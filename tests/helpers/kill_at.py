@@ -4,7 +4,8 @@
 of them) as it starts its ``N``-th agreement (counted from 1 over every mpidist communicator of the
 process);
 ``"RANK:piece:N"`` as it starts the ``N``-th piece of a reduction (the pipelined pieces of large
-reductions, each one MPI call); ``"RANK:call:N"`` as it starts its ``N``-th blocking MPI data call
+reductions: each one call of the algorithm, or, in the two-level pipeline, one nonblocking reduce
+onto the node leader); ``"RANK:call:N"`` as it starts its ``N``-th blocking MPI data call
 (any collective's, such as a compressed reduction's exchanges). :func:`install` wraps the methods
 in place: the library has no hook of its own, and a run without the variable is untouched. Timing
 alone would hit a different moment in every run; counting hits the same one. With ``MPIDIST_TEST_KILL_STAMP`` set,
@@ -46,6 +47,7 @@ def install() -> None:
                     setattr(cls, name, counter(vars(cls)[name]))
     elif what == "piece":
         Reduction.reduce = counter(Reduction.reduce)  # type: ignore[method-assign]  # the test's own wrapper
+        Transport.start = counter(Transport.start, only=lambda _, mpi_name, *args, **kwargs: mpi_name == "Reduce")
     elif what == "call":
         Transport.run = counter(Transport.run)  # type: ignore[method-assign]
     else:
@@ -55,10 +57,12 @@ def install() -> None:
 def _counter(limit: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     calls, depth = [0], [0]  # a counted method that calls another counted one counts once
 
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(method: Callable[..., Any], only: Callable[..., bool] | None = None) -> Callable[..., Any]:
+        """``method`` counted (the calls for which ``only`` is true, if given)."""
+
         @functools.wraps(method)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if depth[0]:
+            if depth[0] or (only is not None and not only(*args, **kwargs)):
                 return method(*args, **kwargs)
             calls[0] += 1
             if calls[0] == limit:

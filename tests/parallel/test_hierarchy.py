@@ -123,3 +123,21 @@ def test_free_releases_the_sub_communicators():
     topology.free()
     assert topology.node == MPI.COMM_NULL
     base.Free()
+
+
+@pytest.mark.parametrize("op", ["max", "min", "sum"])
+def test_two_leaders_give_every_rank_the_same_bits(op):
+    """Between two leaders each combines the other's piece with its own. NaN makes the operands' order show
+    (MAX and MIN return whichever operand the comparison with NaN leaves; a sum keeps one NaN's payload), so both
+    leaders must combine the same operands in the same places, or the ranks of one node would hold other values
+    than those of the other. Many pieces (1 KiB), more than cross at once; with a timeout (the polled path)."""
+    size, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+    c = Communicator(MPI.COMM_WORLD, Options(piece_bytes=1024, hierarchical=True, node_size=-(-size // 2)))
+    x = np.arange(20_000, dtype=np.float64)
+    bits = x.view(np.uint64)
+    bits[rank % 2 :: 2] = 0x7FF8_0000_0000_0000 | (rank + 1)  # NaN of this rank's payload at every other element
+    got = c.allreduce(x, op).view(np.uint64)
+    every = MPI.COMM_WORLD.allgather(got.tobytes())
+    assert every == [got.tobytes()] * size
+    assert np.isnan(got.view(np.float64)).any()
+    c.free()

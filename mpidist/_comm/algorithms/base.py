@@ -3,9 +3,12 @@
 Modelled on TensorFlow's ``CrossDeviceOps`` (``cross_device_ops.py``): the
 public methods of :class:`Reduction` take MPI-ready buffers, handle the
 one-replica case (a copy, no MPI) once for every algorithm, and otherwise call
-the one hook an algorithm overrides:
+the hooks an algorithm overrides:
 
 - :meth:`Reduction.reduce_implementation`: blocking, one buffer reduced in place;
+- :meth:`Reduction.reduce_pieces`: blocking, the pieces of one buffer, each
+  reduced in place (by default one ``reduce`` after the other; an algorithm
+  whose stages can overlap from piece to piece overrides it);
 - :meth:`Reduction.start_implementation`: nonblocking, the pieces of a
   pipelined reduction (each reduced in place), returning their requests and
   the local step that completes them once the requests did (it makes no MPI
@@ -29,7 +32,7 @@ call with :meth:`~mpidist._comm.algorithms.Algorithms.choose`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 from mpi4py import MPI
 
@@ -72,6 +75,21 @@ class Reduction:
         """Collective: ``buffer`` <- the reduction of every rank's ``buffer``, in place."""
         if self.size > 1:
             self.reduce_implementation(what, buffer, mpi_op)
+
+    def reduce_pieces(
+        self, what: str, pieces: Sequence[Array], mpi_op: MPI.Op, reduced: Optional[Callable[[int], None]] = None
+    ) -> None:
+        """Collective: reduce each of ``pieces`` (the pieces of one buffer) in place, blocking.
+
+        ``reduced(k)`` (local) runs once piece ``k`` holds its result, in the
+        pieces' order, while it is likely in cache. By default one
+        :meth:`reduce` after the other; an algorithm whose stages can overlap
+        across pieces overrides it.
+        """
+        for k, piece in enumerate(pieces):
+            self.reduce(what, piece, mpi_op)
+            if reduced is not None:
+                reduced(k)
 
     def start(self, what: str, buffers: Sequence[Array], mpi_op: MPI.Op) -> tuple[list[MPI.Request], Completion]:
         """Collective, nonblocking: start reducing each of ``buffers`` (the pieces of a reduction) in place.
