@@ -17,11 +17,11 @@ the three stages as a pipeline, so that the link never waits for the stages
 within the nodes: while some pieces cross between the nodes, later ones are
 reduced onto the leaders and earlier ones broadcast back. Up to
 :data:`IN_FLIGHT` pieces cross at once. Between two leaders they cross as one
-message each way, both ways at once, each leader adding the other's piece to
-its own in the same order (Open MPI's nonblocking allreduce of two ranks
-reduces onto one and broadcasts back, one way at a time: half the link, measured
-in ``docs/benchmarks.md``); between more leaders, or in device memory, each piece
-is a nonblocking allreduce among the leaders. Every rank of a node starts the
+message each way, both ways at once, each leader combining the other's piece
+with its own in the same order (between two nodes of two ranks, Open MPI's
+nonblocking allreduce of the two leaders carried half the link where these
+messages carried all of it: ``docs/benchmarks.md``); between more leaders, or in
+device memory, each piece is a nonblocking allreduce among the leaders. Every rank of a node starts the
 node's collectives in one fixed order, whatever completes first.
 
 The nonblocking form is the flat one (one ``MPI_Iallreduce`` per piece, all
