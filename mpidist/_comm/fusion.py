@@ -82,7 +82,7 @@ class Fusion:
         self._options = transport.options
         self._ranks = np.array(float(transport.size))  # what a carried MEAN divides by (rebuilt after a failure)
         self._buckets: dict[tuple[type, np.dtype], Array] = {}
-        self._scratch: dict[tuple[type, np.dtype], Array] = {}  # with fault tolerance: the whole-call buffers
+        self._scratch: dict[tuple[type, np.dtype, str], Array] = {}  # whole-call buffers, per use (scratch)
         if self._options.fault_tolerance:  # an update lands whole or not at all (nothing changes when off)
             self.reduce_apply = self._reduce_apply_whole  # type: ignore[method-assign]
 
@@ -324,6 +324,8 @@ class Fusion:
         """
         bucket = self._bucket(send)
         step = bucket.size
+        if send.size > step and self._pipeline(what, send, target, op, fn, in_place, wire):
+            return
         if fn is _into and op is not None and not in_place:
             alias = data_pointer(send) == data_pointer(target)  # out= is the input itself: reduce it in place
             for lo in range(0, send.size, step):
@@ -345,6 +347,45 @@ class Fusion:
                 if in_place
                 else self._transfer(what, send[lo:hi], bucket[: hi - lo], op, wire),
             )
+
+    def _pipeline(
+        self, what: str, send: Array, target: Array, op: Op, fn: UpdateFn, in_place: bool, wire: Optional[str]
+    ) -> bool:
+        """Reduce the flat ``send`` of several pieces by a pipelined algorithm, applying ``fn`` to each piece as it
+        lands; False (nothing done) where the pieces' algorithm is not pipelined, or the data is not plain host
+        data reduced exactly.
+
+        The pipeline holds many pieces at once, so they are reduced in the target itself (``out=``), in ``send``
+        (``in_place``) or in a reusable copy of ``send`` (:meth:`scratch`), not in the one bucket.
+        """
+        if op is None or is_device_array(send) or send.dtype.char in HALF_FLOATS or compressed(wire, op, send.dtype):
+            return False
+        reduction = self._choose(self._options.piece_bytes)
+        if not reduction.pipelined:
+            return False
+        apply: Optional[UpdateFn] = fn
+        if fn is _into and not in_place:  # out=: reduced where it goes
+            if data_pointer(send) != data_pointer(target):
+                target[...] = send
+            buffer, apply = target, None
+        elif in_place:
+            buffer = send
+        else:
+            buffer = self.scratch(send, send.size, "pipeline")[: send.size]
+            buffer[...] = send
+        ranges = reduction.pieces(buffer)
+        size = self._transport.size
+
+        def reduced(k: int) -> None:
+            lo, hi = ranges[k]
+            if op is ReduceOp.MEAN:
+                divide_in_place(buffer[lo:hi], size)
+            if apply is not None:
+                apply(target[lo:hi], buffer[lo:hi])
+
+        mpi_op = self._transport.mpi_op(op, buffer.dtype)
+        reduction.reduce_pieces(what, [buffer[lo:hi] for lo, hi in ranges], mpi_op, reduced)
+        return True
 
     def _flush(
         self, what: str, spans: list[tuple[Array, Array]], op: Op, fn: UpdateFn, in_place: bool, wire: Optional[str]
@@ -552,15 +593,17 @@ class Fusion:
             offset += arrays[i].size
         return out
 
-    def scratch(self, like: Array, size: int) -> Array:
+    def scratch(self, like: Array, size: int, use: str = "whole") -> Array:
         """Local: a reusable flat buffer of ``like``'s module and dtype, of at least ``size`` elements.
 
         Kept from call to call (grown when too small), so that a call that
-        must hold its whole result before it writes it (fault tolerance)
-        touches memory already mapped; its contents last until the next
-        ``scratch`` call of the same module and dtype.
+        must hold its whole result before it writes it (fault tolerance), or
+        a pipelined reduction's copy of its input, touches memory already
+        mapped; its contents last until the next ``scratch`` call of the same
+        module, dtype and ``use`` (one buffer per use, so that the two can
+        be used by one call).
         """
-        key = (type(like), like.dtype)
+        key = (type(like), like.dtype, use)
         buffer = self._scratch.get(key)
         if buffer is None or buffer.size < size:
             buffer = self._scratch[key] = array_module(like).empty(max(1, size), dtype=like.dtype)

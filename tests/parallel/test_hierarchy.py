@@ -141,3 +141,24 @@ def test_two_leaders_give_every_rank_the_same_bits(op):
     assert every == [got.tobytes()] * size
     assert np.isnan(got.view(np.float64)).any()
     c.free()
+
+
+@pytest.mark.parametrize("op", [ReduceOp.MEAN, ReduceOp.SUM, ReduceOp.MAX])
+def test_fused_updates_of_many_pieces(flat, hier, op):
+    """A fused update of an array of many pieces takes the two-level pipeline three ways: into ``out=``, in
+    the input (``in_place``), and through a copy of the input with the update applied as each piece lands;
+    each gives what the flat algorithm gives, and leaves the input as the path says."""
+    shape = (41, 97)  # float64: 31 pieces of 1 KiB, the last ragged
+    send = contribution(hier.rank, shape, "float64")
+    want = flat.allreduce(send, op.value)
+    got = hier.allreduce_many([send], op, ["x"], out=[np.empty(shape)])[0]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(send, contribution(hier.rank, shape, "float64"))  # out=: the input untouched
+    target = np.ones(shape)
+    hier.reduce_apply([send], [target], [op], lambda t, r: t.__iadd__(r), ["x"])
+    np.testing.assert_array_equal(target, 1 + want)
+    np.testing.assert_array_equal(send, contribution(hier.rank, shape, "float64"))
+    target = np.ones(shape)
+    hier.reduce_apply([send], [target], [op], lambda t, r: t.__isub__(r), ["x"], in_place=True)
+    np.testing.assert_array_equal(target, 1 - want)
+    np.testing.assert_array_equal(send, want)  # in place: the input holds the result

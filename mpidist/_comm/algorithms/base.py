@@ -58,6 +58,8 @@ class Reduction:
     memory, or device memory with CUDA-aware MPI, its stream synchronised).
     """
 
+    pipelined = False  # whether reduce_pieces overlaps the pieces' stages (worth handing it every piece at once)
+
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.size = transport.size

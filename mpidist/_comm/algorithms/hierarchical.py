@@ -69,6 +69,8 @@ class Hierarchical(Flat):
     :meth:`free` (collective) releases what it split.
     """
 
+    pipelined = True
+
     def __init__(self, transport: Transport, topology: Topology) -> None:
         super().__init__(transport)
         comm, node_size = transport.comm, transport.options.node_size
