@@ -197,7 +197,7 @@ class Communicator:
         """Collective: the algorithms and the collectives' helpers over the private communicator (again after a
         failure, over the survivors')."""
         self.generation += 1
-        self._algorithms = Algorithms(self._transport, self._topology)
+        self._algorithms = Algorithms(self._transport, self._topology, self.cuda_aware)
         self.rank: int = self._comm.rank
         self.size: int = self._comm.size
         self.local_size: int = self._topology.node.size

@@ -46,10 +46,10 @@ def hier(request):
     c.free()
 
 
-def two_level(comm: MPI.Intracomm, options: Options) -> tuple[Hierarchical, Topology]:
+def two_level(comm: MPI.Intracomm, options: Options, device_buffers: bool = False) -> tuple[Hierarchical, Topology]:
     """The two-level algorithm over ``comm`` (and the topology it may take its nodes from)."""
     topology = Topology(comm)
-    return Hierarchical(Transport(comm, options), topology), topology
+    return Hierarchical(Transport(comm, options), topology, device_buffers), topology
 
 
 def test_groups_follow_the_forced_node_size(hier):
@@ -162,3 +162,32 @@ def test_fused_updates_of_many_pieces(flat, hier, op):
     hier.reduce_apply([send], [target], [op], lambda t, r: t.__isub__(r), ["x"], in_place=True)
     np.testing.assert_array_equal(target, 1 - want)
     np.testing.assert_array_equal(send, want)  # in place: the input holds the result
+
+
+@pytest.mark.parametrize("device_buffers", [False, True], ids=["pairs", "allreduces"])
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_the_pipeline_crossing_either_way(device_buffers, timeout):
+    """The pipeline's pieces cross between two leaders as messages both ways, or (where MPI may be handed device
+    memory) as allreduces; either way, blocking or polled, every piece holds the sum and ``reduced`` sees each
+    piece once, in order, after it landed."""
+    size = MPI.COMM_WORLD.size
+    options = Options(piece_bytes=1024, hierarchical=True, node_size=-(-size // 2), timeout=timeout)
+    h, topology = two_level(MPI.COMM_WORLD.Dup(), options, device_buffers)
+    x = contribution(MPI.COMM_WORLD.rank, (7001,), "int64")
+    want = expected("sum", size, (7001,), "int64")
+    ranges = h.pieces(x)
+    pieces = [x[lo:hi] for lo, hi in ranges]
+    seen = []
+
+    def reduced(k):
+        lo, hi = ranges[k]
+        np.testing.assert_array_equal(pieces[k], want[lo:hi])
+        seen.append(k)
+
+    h.reduce_pieces("a test", pieces, MPI.SUM, reduced)
+    assert seen == list(range(len(pieces))) and len(pieces) > 16  # more pieces than cross at once
+    np.testing.assert_array_equal(x, want)
+    comm = h.transport.comm
+    h.free()
+    topology.free()
+    comm.Free()

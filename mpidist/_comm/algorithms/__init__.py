@@ -63,9 +63,11 @@ class Algorithms:
 
     Collective construction (the algorithms the options allow are built up
     front, some of them split communicators); :meth:`free` is collective.
+    ``device_buffers``: whether MPI may be handed device memory (CUDA-aware
+    MPI, agreed by every rank), so that a buffer may be one on some ranks.
     """
 
-    def __init__(self, transport: Transport, topology: Topology) -> None:
+    def __init__(self, transport: Transport, topology: Topology, device_buffers: bool = False) -> None:
         self.flat = Flat(transport)
         options = transport.options
         threshold = two_level_from(
@@ -85,7 +87,7 @@ class Algorithms:
         )
         # Built only where some reduction takes it: never on one node unless forced (hierarchical=True).
         built = threshold is not None or compressed
-        self.hierarchical: Optional[Hierarchical] = Hierarchical(transport, topology) if built else None
+        self.hierarchical: Optional[Hierarchical] = Hierarchical(transport, topology, device_buffers) if built else None
         self._exact: Optional[Hierarchical] = None if threshold is None else self.hierarchical  # choose()'s
         self.two_level_from: int = threshold or 0
 

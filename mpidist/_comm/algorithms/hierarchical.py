@@ -20,8 +20,9 @@ reduced onto the leaders and earlier ones broadcast back. Up to
 message each way, both ways at once, each leader combining the other's piece
 with its own in the same order (between two nodes of two ranks, Open MPI's
 nonblocking allreduce of the two leaders carried half the link where these
-messages carried all of it: ``docs/benchmarks.md``); between more leaders, or in
-device memory, each piece is a nonblocking allreduce among the leaders. Every rank of a node starts the
+messages carried all of it: ``docs/benchmarks.md``); between more leaders, or
+where MPI may be handed device memory (CUDA-aware MPI), each piece is a
+nonblocking allreduce among the leaders. Every rank of a node starts the
 node's collectives in one fixed order, whatever completes first.
 
 The nonblocking form is the flat one (one ``MPI_Iallreduce`` per piece, all
@@ -42,7 +43,6 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist._comm.algorithms.flat import Flat
-from mpidist._comm.backend import is_device_array
 from mpidist._comm.topology import Topology, group_split
 from mpidist._comm.transport import Transport
 
@@ -62,17 +62,22 @@ _TAG_PIECE = 7710  # the leaders' point-to-point messages (their own communicato
 class Hierarchical(Flat):
     """Reduce to the node leader, allreduce among the leaders, broadcast within the node.
 
-    Blocking reductions take the three stages; nonblocking ones are the flat
-    algorithm's (inherited: see the module's docstring for why). Collective
-    construction over the transport's communicator (it splits the leaders'
-    communicator, and the nodes when ``options.node_size`` is set);
-    :meth:`free` (collective) releases what it split.
+    Blocking reductions take the three stages (a buffer's pieces as a
+    pipeline); nonblocking ones are the flat algorithm's (inherited: see the
+    module's docstring for why). Collective construction over the transport's
+    communicator (it splits the leaders' communicator, and the nodes when
+    ``options.node_size`` is set); :meth:`free` (collective) releases what it
+    split. ``device_buffers``: whether MPI may be handed device memory (agreed
+    by every rank), where the pieces cross as allreduces.
     """
 
     pipelined = True
 
-    def __init__(self, transport: Transport, topology: Topology) -> None:
+    def __init__(self, transport: Transport, topology: Topology, device_buffers: bool = False) -> None:
         super().__init__(transport)
+        # where MPI may be handed device memory, pieces cross as allreduces: a piece may be in device memory on one
+        # leader and on the host on the other, and both must make the same calls (device_buffers is agreed)
+        self._pairs = not device_buffers
         comm, node_size = transport.comm, transport.options.node_size
         self._own_node = bool(node_size)
         self.node: MPI.Intracomm = group_split(comm, node_size) if node_size else topology.node
@@ -118,7 +123,7 @@ class Hierarchical(Flat):
             return super().reduce_pieces(what, pieces, mpi_op, reduced)
         t, node, n, leader = self.transport, self.node, len(pieces), self.is_leader
         crossing = leader and self.leaders.size > 1
-        pair = crossing and self.leaders.size == 2 and n > 0 and not is_device_array(pieces[0])
+        pair = crossing and self.leaders.size == 2 and n > 0 and self._pairs
         slots = self._slots(pieces[0], n) if pair else None
         other = 1 - self.leaders.rank if slots is not None else -1
         up: list[MPI.Request] = []
