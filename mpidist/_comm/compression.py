@@ -23,11 +23,7 @@ across nodes with more than one on some node) the ranks of a node first
 reduce onto their leader in float32, only the leaders exchange 16 bits as
 above, and the leader broadcasts the float32 result within its node: one
 rounding of each node's sum, and each node's sum crosses its link once in
-16 bits each way. Between two nodes the pieces go through the two-level
-algorithm's pipeline (:meth:`~mpidist._comm.algorithms.Hierarchical.reduce_pieces`),
-crossing as one 16-bit message each way while later pieces are reduced within
-the nodes (:class:`_Sixteen`: the same bits as steps 1-4 give two leaders); a
-piece whose result is not finite is then refused once every piece landed.
+16 bits each way.
 
 Every rank ends with the same values (they come from the same 16-bit
 slices), so every rank reaches the same verdict on them without another
@@ -47,13 +43,12 @@ in ``docs/compression.md``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from mpidist._comm.algorithms import Algorithms, Hierarchical
-from mpidist._comm.algorithms.hierarchical import IN_FLIGHT, Crossing
 from mpidist._comm.backend import Backend, array_module
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.transport import Transport
@@ -131,8 +126,6 @@ class Compression:
         self._step = max(1, transport.options.piece_bytes // _F32.itemsize)
         # (array type, encoding, group size) -> (16-bit slices sent, 16-bit slices received, float32 widened)
         self._scratch: dict[tuple[type, str, int], tuple[Array, Array, Array]] = {}
-        # encoding -> the two-level pipeline's rows (_rows)
-        self._pipeline_rows: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def reduce(self, what: str, buffer: Array, op: ReduceOp, wire: str) -> None:
         """Collective: the flat float32 ``buffer`` <- ``op`` (SUM or MEAN) of every rank's, 16 bits on the wire.
@@ -146,9 +139,6 @@ class Compression:
         ready = backend.to_mpi(buffer, self._cuda_aware)
         reduction = self._choose()
         two_level = reduction if isinstance(reduction, Hierarchical) else None
-        if two_level is not None and two_level.pairs:
-            self._pipelined(what, two_level, buffer, ready, op, wire)
-            return
         xp = array_module(ready)
         for lo in range(0, ready.size, self._step):
             piece = ready[lo : lo + self._step]
@@ -165,46 +155,6 @@ class Compression:
                 backend.from_mpi(buffer, ready)
                 self._refuse(what, wire, xp, piece, lo)
         backend.from_mpi(buffer, ready)
-
-    def _pipelined(
-        self, what: str, two_level: Hierarchical, buffer: Array, ready: Array, op: ReduceOp, wire: str
-    ) -> None:
-        """Collective: :meth:`reduce` through the two-level pipeline between two leaders (host memory, every rank
-        alike: ``two_level.pairs``), each piece crossing in 16 bits (:class:`_Sixteen`).
-
-        The same bits as steps 1-4 give two leaders. A piece whose result is not finite is refused once every
-        piece landed (the pipeline's collectives all complete, on every rank alike), naming the first."""
-        ranges = [(lo, min(lo + self._step, ready.size)) for lo in range(0, ready.size, self._step)]
-        pieces = [ready[lo:hi] for lo, hi in ranges]
-        bad: list[int] = []
-
-        def reduced(k: int) -> None:
-            if not bad and not bool(np.isfinite(pieces[k]).all()):
-                bad.append(k)
-
-        crossing = None
-        if two_level.is_leader:
-            out, arrived, wide = self._rows(wire, len(pieces))
-            crossing = _Sixteen(out, arrived, wide, op, self._transport.size)
-        with np.errstate(over="ignore", invalid="ignore"):  # an Inf is refused on every rank, not warned of
-            two_level.reduce_pieces(what, pieces, MPI.SUM, reduced, crossing)
-        self._backend.from_mpi(buffer, ready)
-        if bad:
-            self._refuse(what, wire, np, pieces[bad[0]], ranges[bad[0]][0])
-
-    def _rows(self, wire: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The reusable rows of a pipeline of ``n`` pieces: 16-bit pieces sent and arrived, one row per piece in
-        flight, and one float32 piece."""
-        rows = min(n, IN_FLIGHT + 2)
-        found = self._pipeline_rows.get(wire)
-        if found is None or found[0].shape[0] < rows:
-            dtype = np.dtype(np.float16) if wire == "fp16" else bfloat16()
-            found = self._pipeline_rows[wire] = (
-                np.empty((rows, self._step), dtype=dtype),
-                np.empty((rows, self._step), dtype=dtype),
-                np.empty(self._step, dtype=_F32),
-            )
-        return found[0][:rows], found[1][:rows], found[2]
 
     def _exchange(self, what: str, comm: MPI.Intracomm, piece: Array, op: ReduceOp, wire: str) -> None:
         """Collective over ``comm``: the float32 ``piece`` (MPI-ready) <- the sum of every rank's over ``comm``,
@@ -265,36 +215,3 @@ class Compression:
                 "Scale the values (a loss scale), use bf16, or reduce exactly (compression='none').",
             )
         )
-
-
-class _Sixteen(Crossing):
-    """A pipelined piece crossing between two leaders in 16 bits each way (local).
-
-    Each leader rounds its node's float32 sum once and sends it; both widen the two 16-bit pieces, add them in
-    float32, leader 0's first (``MEAN``: divide by the job's ``size``), round the sum once and widen it: the bits
-    that steps 1-4 of the module's docstring give two leaders. ``out`` and ``rows``: the 16-bit pieces sent and
-    arrived, a row per piece in flight; ``wide``: one float32 piece.
-    """
-
-    def __init__(self, out: np.ndarray, rows: np.ndarray, wide: np.ndarray, op: ReduceOp, size: int) -> None:
-        super().__init__(rows, MPI.SUM)
-        self.out, self.wide, self.op, self.size = out, wide, op, size
-
-    def arrival(self, k: int, piece: Array) -> Array:
-        return self.rows[k % len(self.rows), : piece.size].view(np.uint16)
-
-    def outgoing(self, k: int, piece: Array) -> Array:
-        mine = self.out[k % len(self.out), : piece.size]
-        mine[...] = piece  # the one rounding of each node's sum
-        return mine.view(np.uint16)
-
-    def combine(self, call: Callable[..., Any], k: int, piece: Array, first: bool) -> None:
-        row = k % len(self.rows)
-        mine, theirs = self.out[row, : piece.size], self.rows[row, : piece.size]
-        second = self.wide[: piece.size]
-        piece[...], second[...] = (mine, theirs) if first else (theirs, mine)
-        piece += second
-        if self.op is ReduceOp.MEAN:
-            divide_in_place(piece, self.size)
-        mine[...] = piece  # the one rounding of each sum
-        piece[...] = mine

@@ -263,41 +263,6 @@ def test_two_level_rounds_once_per_node(two_level, wire, op):
             np.testing.assert_array_equal(got.astype(sixteen(wire)).astype(np.float32), got)
 
 
-@pytest.mark.parametrize("wire", WIRES)
-@pytest.mark.parametrize("op", ["sum", "mean"])
-def test_two_nodes_pipelined_give_the_bits_of_two_leaders(two_level, wire, op):
-    """Between two nodes the pieces cross in the two-level pipeline, 16 bits each way: each node's float32 sum
-    rounded once, the two widened and added (node 0's first), MEAN divided, the sum rounded once: the bits that
-    the alltoall and allgather of 16-bit slices give two leaders (computed here with NumPy)."""
-    k = two_level.options.node_size
-    if -(-two_level.size // k) != 2:
-        pytest.skip("two nodes of this many ranks: 2 ranks one per node, or 3 ranks two and one")
-    n = 5003  # five pieces, the last ragged
-    xs = [inputs(r, n, salt=5) for r in range(two_level.size)]
-    got = two_level.allreduce(xs[two_level.rank], op, compression=wire)
-    half = sixteen(wire)
-    node_sums = [xs[0] + xs[1] if k == 2 else xs[0], xs[2] if k == 2 else xs[1]]
-    total = node_sums[0].astype(half).astype(np.float32) + node_sums[1].astype(half).astype(np.float32)
-    if op == "mean":
-        total /= np.float32(two_level.size)
-    np.testing.assert_array_equal(got, total.astype(half).astype(np.float32))
-    same_everywhere(two_level, got)
-
-
-def test_an_fp16_overflow_across_nodes_raises_on_every_rank(two_level):
-    """A non-finite piece across nodes (in the pipeline between two nodes): every rank raises, naming the first element, after every piece landed
-    (the pipeline's collectives complete alike), and the communicator goes on."""
-    if -(-two_level.size // two_level.options.node_size) == 1:
-        pytest.skip("on one node nothing crosses a wire: the sum stays float32")
-    one = np.ones(5003, np.float32)
-    if two_level.rank == two_level.size - 1:
-        one[2500] = 1e6  # in the third piece
-    with pytest.raises(md.NonFiniteError, match="Inf or NaN at 1 element .the first at flat index 2500."):
-        two_level.allreduce(one, "sum", compression="fp16")
-    got = two_level.allreduce(np.ones(5003, np.float32), "sum", compression="fp16")
-    np.testing.assert_array_equal(got, np.full(5003, two_level.size, np.float32))
-
-
 def test_an_fp16_overflow_raises_on_every_rank(comm):
     if comm.size == 1:
         pytest.skip("one rank reduces nothing over a wire")

@@ -37,8 +37,7 @@ collective call, whatever the algorithm.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -50,7 +49,7 @@ from mpidist._comm.transport import Transport
 if TYPE_CHECKING:
     from mpidist._typing import Array
 
-__all__ = ["IN_FLIGHT", "Crossing", "Hierarchical"]
+__all__ = ["IN_FLIGHT", "Hierarchical"]
 
 # Pieces crossing between the nodes at once in a pipelined reduction (32 MiB of default pieces). Measured between
 # two nodes of 1 Gbit/s links (benchmarks/multinode.sh): eight 2 MiB exchanges in flight carried 0.95 Gbit/s each
@@ -58,41 +57,6 @@ __all__ = ["IN_FLIGHT", "Crossing", "Hierarchical"]
 # ranks per node the pipeline carried 0.71-0.74 Gbit/s at 32-64 MiB with 8 in flight, 0.80-0.83 with 16.
 IN_FLIGHT = 16
 _TAG_PIECE = 7710  # the leaders' point-to-point messages (their own communicator carries nothing else)
-
-
-class Crossing:
-    """How the pieces of a pipelined two-level reduction cross between two leaders (local).
-
-    Each piece crosses as one message each way (:meth:`outgoing` is sent, the
-    other leader's arrives in :meth:`arrival`), and each leader then combines
-    the two with :meth:`combine`, leader 0's operand first on both. This one
-    sends the piece itself and combines with the reduction's MPI operation
-    (bit for bit alike on both leaders, NaN and signed zeros included);
-    :mod:`~mpidist._comm.compression` sends 16 bits. ``rows`` holds the
-    arrivals of the pieces in flight, one row each.
-    """
-
-    def __init__(self, rows: np.ndarray, mpi_op: MPI.Op) -> None:
-        self.rows = rows
-        self.mpi_op = mpi_op
-
-    def arrival(self, k: int, piece: Array) -> Array:
-        """Where the other leader's piece ``k`` (like ``piece``) arrives, MPI-ready."""
-        return self.rows[k % len(self.rows), : piece.size]
-
-    def outgoing(self, k: int, piece: Array) -> Array:
-        """What crosses for this leader's piece ``k``, MPI-ready (called once the piece holds its node's sum)."""
-        return piece
-
-    def combine(self, call: Callable[..., Any], k: int, piece: Array, first: bool) -> None:
-        """``piece`` <- leader 0's piece ``k`` combined with leader 1's, alike on both (``first``: this is leader 0;
-        ``call``: the transport's, which translates MPI errors)."""
-        theirs = self.rows[k % len(self.rows), : piece.size]
-        if first:
-            call(self.mpi_op.Reduce_local, piece, theirs)
-            piece[...] = theirs
-        else:
-            call(self.mpi_op.Reduce_local, theirs, piece)
 
 
 class Hierarchical(Flat):
@@ -113,16 +77,14 @@ class Hierarchical(Flat):
         super().__init__(transport)
         # where MPI may be handed device memory, pieces cross as allreduces: a piece may be in device memory on one
         # leader and on the host on the other, and both must make the same calls (device_buffers is agreed)
-        pairs = not device_buffers
+        self._pairs = not device_buffers
         comm, node_size = transport.comm, transport.options.node_size
         self._own_node = bool(node_size)
         self.node: MPI.Intracomm = group_split(comm, node_size) if node_size else topology.node
         self.is_leader = self.node.rank == 0
         # COMM_NULL on the other ranks
         self.leaders = cast(MPI.Intracomm, comm.Split(0 if self.is_leader else MPI.UNDEFINED, comm.rank))
-        self._spare: dict[np.dtype, np.ndarray] = {}  # where the other leader's pieces arrive (rows)
-        # whether the pipeline's pieces cross between two leaders as messages: the same answer on every rank
-        self.pairs: bool = pairs and comm.allreduce(int(self.is_leader)) == 2
+        self._spare: dict[np.dtype, np.ndarray] = {}  # where the other leader's pieces arrive (_slots)
 
     def communicators(self) -> list[MPI.Intracomm]:
         """Local: the communicators this algorithm runs on (the node's and the leaders'; COMM_NULL off a leader)."""
@@ -144,12 +106,7 @@ class Hierarchical(Flat):
         self.stages(what, buffer, mpi_op, across)
 
     def reduce_pieces(
-        self,
-        what: str,
-        pieces: Sequence[Array],
-        mpi_op: MPI.Op,
-        reduced: Optional[Callable[[int], None]] = None,
-        crossing: Optional[Crossing] = None,
+        self, what: str, pieces: Sequence[Array], mpi_op: MPI.Op, reduced: Optional[Callable[[int], None]] = None
     ) -> None:
         """Collective: the three stages, pipelined over ``pieces`` (see the module's docstring).
 
@@ -160,40 +117,39 @@ class Hierarchical(Flat):
         whose broadcast within the node every rank then starts; and completes
         the broadcast of the piece before that one, calling ``reduced``. The
         node's collectives thus start in the same order on each of its ranks,
-        and no two stages use a piece's buffer at once. Where :attr:`pairs`,
-        the pieces cross as ``crossing`` says (on the leaders; by default the
-        pieces themselves, combined by ``mpi_op``).
+        and no two stages use a piece's buffer at once.
         """
         if self.size == 1:
             return super().reduce_pieces(what, pieces, mpi_op, reduced)
         t, node, n, leader = self.transport, self.node, len(pieces), self.is_leader
-        across = leader and self.leaders.size > 1
-        pair = crossing or Crossing(self.rows(pieces[0], n), mpi_op) if across and self.pairs and n else None
-        other, first = (1 - self.leaders.rank, self.leaders.rank == 0) if pair is not None else (-1, False)
-        call = partial(t.call, what)
+        crossing = leader and self.leaders.size > 1
+        pair = crossing and self.leaders.size == 2 and n > 0 and self._pairs
+        slots = self._slots(pieces[0], n) if pair else None
+        other = 1 - self.leaders.rank if slots is not None else -1
         up: list[MPI.Request] = []
         over: list[list[MPI.Request]] = []
         down: list[MPI.Request] = []
         try:
             for s in range(n + IN_FLIGHT + 2):
                 if s < n:
-                    if pair is not None:  # the other leader's piece may come before this one is ready
-                        over.append([call(self.leaders.Irecv, pair.arrival(s, pieces[s]), other, _TAG_PIECE)])
+                    if slots is not None:  # the other leader's piece may come before this one is ready
+                        slot = slots[s % len(slots), : pieces[s].size]
+                        over.append([t.call(what, self.leaders.Irecv, slot, other, _TAG_PIECE)])
                     send, recv = (MPI.IN_PLACE, pieces[s]) if leader else (pieces[s], None)
                     up.append(t.start("Reduce", send, recv, mpi_op, 0, comm=node))
                 j = s - 1
                 if 0 <= j < n:
                     t.wait([up[j]], what)
-                    if pair is not None:
-                        over[j].append(call(self.leaders.Isend, pair.outgoing(j, pieces[j]), other, _TAG_PIECE))
-                    elif across:
+                    if slots is not None:
+                        over[j].append(t.call(what, self.leaders.Isend, pieces[j], other, _TAG_PIECE))
+                    elif crossing:
                         over.append([t.start("Allreduce", MPI.IN_PLACE, pieces[j], mpi_op, comm=self.leaders)])
                 i = j - IN_FLIGHT
                 if 0 <= i < n:
-                    if across:
+                    if crossing:
                         t.wait(over[i], what)
-                        if pair is not None:
-                            pair.combine(call, i, pieces[i], first)
+                        if slots is not None:
+                            self._combine(what, pieces[i], slots[i % len(slots), : pieces[i].size], mpi_op)
                     down.append(t.start("Bcast", pieces[i], 0, comm=node))
                 h = i - 1
                 if 0 <= h < n:
@@ -204,15 +160,25 @@ class Hierarchical(Flat):
             t.stranded += [r for r in (*up, *(r for rs in over for r in rs), *down) if r]
             raise
 
-    def rows(self, piece: Array, n: int) -> np.ndarray:
-        """Local: where the other leader's pieces like ``piece`` arrive in a call of ``n`` pieces: one row per
+    def _slots(self, piece: Array, n: int) -> np.ndarray:
+        """Local: where the other leader's pieces like ``piece`` arrive, of a call of ``n`` pieces: one row per
         piece in flight (reused from call to call, grown when too small)."""
         rows = min(n, IN_FLIGHT + 2)  # the pieces crossing, and the next, whose receipt starts before one completes
-        spare = self._spare.get(piece.dtype)
-        if spare is None or spare.shape[0] < rows or spare.shape[1] < piece.size:
-            shape = (max(rows, 0 if spare is None else spare.shape[0]), piece.size)
-            spare = self._spare[piece.dtype] = np.empty(shape, dtype=piece.dtype)
-        return spare[:rows]
+        slots = self._spare.get(piece.dtype)
+        if slots is None or slots.shape[0] < rows or slots.shape[1] < piece.size:
+            shape = (max(rows, 0 if slots is None else slots.shape[0]), piece.size)
+            slots = self._spare[piece.dtype] = np.empty(shape, dtype=piece.dtype)
+        return slots[:rows]
+
+    def _combine(self, what: str, piece: Array, theirs: np.ndarray, mpi_op: MPI.Op) -> None:
+        """Local, once a piece crossed: ``piece`` <- leader 0's piece ``mpi_op`` leader 1's, alike on both
+        leaders (the same operands in the same places: bit for bit, NaN and signed zeros included)."""
+        call = self.transport.call
+        if self.leaders.rank == 0:
+            call(what, mpi_op.Reduce_local, piece, theirs)
+            piece[...] = theirs
+        else:
+            call(what, mpi_op.Reduce_local, theirs, piece)
 
     def stages(self, what: str, buffer: Array, mpi_op: MPI.Op, across: Callable[[MPI.Intracomm], None]) -> None:
         """Collective: ``buffer`` reduced by ``mpi_op`` onto the node leader, then ``across(leaders)`` on the
