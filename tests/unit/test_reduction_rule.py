@@ -54,7 +54,7 @@ class _TwoLevel:
 
     built = 0
 
-    def __init__(self, transport, topology):
+    def __init__(self, transport, topology, device_buffers=False):
         _TwoLevel.built += 1
         self.freed = False
 
