@@ -352,13 +352,15 @@ class Fusion:
         self, what: str, send: Array, target: Array, op: Op, fn: UpdateFn, in_place: bool, wire: Optional[str]
     ) -> bool:
         """Reduce the flat ``send`` of several pieces by a pipelined algorithm, applying ``fn`` to each piece as it
-        lands; False (nothing done) where the pieces' algorithm is not pipelined, or the data is not plain host
-        data reduced exactly.
+        lands; False (nothing done) where the pieces' algorithm is not pipelined, or the data is not reduced
+        exactly at its own width.
 
         The pipeline holds many pieces at once, so they are reduced in the target itself (``out=``), in ``send``
-        (``in_place``) or in a reusable copy of ``send`` (:meth:`scratch`), not in the one bucket.
+        (``in_place``) or in a reusable copy of ``send`` (:meth:`scratch`), not in the one bucket. Device data
+        that MPI is not handed is staged to the host whole and each piece copied back as it lands: where the
+        data is never decides the MPI calls, so ranks holding theirs in different places make the same ones.
         """
-        if op is None or is_device_array(send) or send.dtype.char in HALF_FLOATS or compressed(wire, op, send.dtype):
+        if op is None or send.dtype.char in HALF_FLOATS or compressed(wire, op, send.dtype):
             return False
         reduction = self._choose(self._options.piece_bytes)
         if not reduction.pipelined:
@@ -373,18 +375,21 @@ class Fusion:
         else:
             buffer = self.scratch(send, send.size, "pipeline")[: send.size]
             buffer[...] = send
-        ranges = reduction.pieces(buffer)
+        backend = self._backend
+        host = backend.to_mpi(buffer, self._cuda_aware)
+        ranges = reduction.pieces(host)
         size = self._transport.size
 
         def reduced(k: int) -> None:
             lo, hi = ranges[k]
+            backend.from_mpi(buffer[lo:hi], host[lo:hi])
             if op is ReduceOp.MEAN:
                 divide_in_place(buffer[lo:hi], size)
             if apply is not None:
                 apply(target[lo:hi], buffer[lo:hi])
 
         mpi_op = self._transport.mpi_op(op, buffer.dtype)
-        reduction.reduce_pieces(what, [buffer[lo:hi] for lo, hi in ranges], mpi_op, reduced)
+        reduction.reduce_pieces(what, [host[lo:hi] for lo, hi in ranges], mpi_op, reduced)
         return True
 
     def _flush(

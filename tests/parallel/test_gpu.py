@@ -211,6 +211,41 @@ def test_nonblocking_fused_reduction(comm, device_ledger):
     assert_equal(out[1], np.full(600, n, np.int64))
 
 
+@pytest.mark.parametrize("where", ["device", "mixed"])  # mixed: on the device on even ranks, the host on odd
+@pytest.mark.parametrize("path", ["out", "update", "in_place"])
+def test_two_level_pipeline_wherever_the_data_is(device_ledger, where, path):
+    """An array of many pieces takes the two-level pipeline whether its data is on the device or, on some ranks,
+    on the host: where the data is never changes the MPI calls (a mismatch would end at the deadline), and every
+    path gives the exact mean. Staged, the input goes to the host once and each piece comes back as it lands."""
+    import cupy
+
+    from test_comm import contribution, expected
+
+    c = Communicator(
+        MPI.COMM_WORLD, Options.resolve(device="gpu", piece_bytes=1024, hierarchical=True, node_size=1, timeout=20.0)
+    )
+    n, r = c.size, c.rank
+    shape = (41, 97)  # float64: 31 pieces of 1 KiB, the last ragged
+    on_device = where == "device" or r % 2 == 0
+    xp = cupy if on_device else np
+    send = xp.asarray(contribution(r, shape, "float64"))
+    want = expected("mean", n, shape, "float64")
+    device_ledger.reset()
+    if path == "out":
+        out = c.allreduce_many([send], md.ReduceOp.MEAN, ["x"], out=[xp.empty(shape)])[0]
+    else:
+        out = xp.ones(shape)
+        c.reduce_apply([send], [out], [md.ReduceOp.MEAN], lambda t, m: t.__iadd__(m), ["x"], path == "in_place")
+        want = want + 1
+    pieces = -(-send.nbytes // 1024)
+    if on_device:
+        assert_copies(device_ledger, c, h2d=pieces, d2h=1)
+    assert isinstance(out, type(send))
+    assert_equal(out, want)
+    assert_equal(send, want - 1 if path == "in_place" else contribution(r, shape, "float64"))
+    c.free()
+
+
 # -- every agreement check off: the direct paths still synchronise ------------------------------------
 UNCHECKED = dict(check_collectives=False, timeout=None, check_finite=False)  # no agreement step at all
 
