@@ -800,7 +800,7 @@ class Agreement:
                 named_ranks(int(leaving), left1, left2),
             )
         if bad or not (tail[11:] == expected and tail[9] == n * s and tail[10] == n * s * s):
-            self._mismatch(call, error)
+            self._mismatch(call, error, carry)
         # _FAULT: how many ranks have fault tolerance on (a creation names the option itself, above)
         if tail[6] != self._agreed_tail[6]:
             raise CollectiveMismatchError(
@@ -815,7 +815,7 @@ class Agreement:
             self._nonfinite(call)
         return self._recv[:carry] if carry else None
 
-    def _mismatch(self, call: Call, error: Optional[Exception]) -> None:
+    def _mismatch(self, call: Call, error: Optional[Exception], carry: int) -> None:
         t = self.transport
         if error is not None:
             mine = f"could not take part: {type(error).__name__}: {error}"
@@ -827,12 +827,28 @@ class Agreement:
             steps += f" after leaving {self.steps_left} step{'s' if many else ''} by an exception ({self._last_left})"
         head, *layout = mine.split("\n")
         site = call_site()
-        texts = gather_texts(t, "agreement details", "\n".join([f"#{t.seq}{steps} {head}{_at(site)}", *layout]))
+        texts = gather_texts(
+            t, "agreement details", "\n".join([f"#{t.seq}{steps} {head}{_at(site)}", *layout, f"carried {carry}"])
+        )
+        carries = {r: text.rsplit("\n", 1)[1] for r, text in enumerate(texts)}
+        texts = [text.rsplit("\n", 1)[0] for text in texts]
         heads = {r: text.split("\n", 1)[0] for r, text in enumerate(texts)}
         lines = group_ranks(heads, things="calls")
         layouts = [text.split("\n")[1:] for text in texts]
         if error is not None:
             raise error
+        if len(set(carries.values())) > 1 and len({_SITE.sub("", text) for text in texts}) == 1:
+            # alike calls: only where the data is differs (a small host array travels in the record, carried)
+            places = {r: "host memory" if c != "carried 0" else "device memory" for r, c in carries.items()}
+            raise CollectiveMismatchError(
+                on_rank(
+                    t.rank,
+                    f"ranks disagree on where the data of collective #{t.seq} ({call.describe()}) is: "
+                    f"{group_ranks(places, things='places')}. A collective's arrays must be on the device on "
+                    "every rank or on the host on every rank (the same device= on every rank); no array was modified.",
+                ),
+                heads,
+            )
         if call.kind == Kind.CREATE and not any("could not take part" in text for text in heads.values()):
             raise CollectiveMismatchError(
                 on_rank(

@@ -246,6 +246,29 @@ def test_two_level_pipeline_wherever_the_data_is(device_ledger, where, path):
     c.free()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_small_arrays_on_the_device_on_some_ranks_only_are_refused(comm, fused):
+    """A small reduction whose array is on the device on rank 0 and on the host elsewhere is refused on every rank,
+    naming where each rank's data is (a small host array travels inside the agreement, a device one does not, so
+    the calls would not pair), and nothing is modified."""
+    import cupy
+
+    if comm.size == 1:
+        pytest.skip("needs ranks that hold their data in different places")
+    r = comm.rank
+    x = (cupy if r == 0 else np).full(3, r + 1.0, dtype=np.float32)
+    with pytest.raises(md.CollectiveMismatchError) as info:
+        if fused:
+            comm.allreduce_many([x], "sum")
+        else:
+            comm.allreduce(x, "sum")
+    place = "ranks 1-2: host memory" if comm.size == 3 else "rank 1: host memory"
+    assert "ranks disagree on where the data of collective #" in str(info.value)
+    assert f"rank 0: device memory; {place}" in str(info.value)
+    assert_equal(x, np.full(3, r + 1.0, np.float32))
+    comm.allreduce(np.ones(1), "sum")  # the communicator is still usable (a refusal before any data moved)
+
+
 # -- every agreement check off: the direct paths still synchronise ------------------------------------
 UNCHECKED = dict(check_collectives=False, timeout=None, check_finite=False)  # no agreement step at all
 
