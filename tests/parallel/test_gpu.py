@@ -225,7 +225,7 @@ def test_two_level_pipeline_wherever_the_data_is(device_ledger, where, path):
         MPI.COMM_WORLD, Options.resolve(device="gpu", piece_bytes=1024, hierarchical=True, node_size=1, timeout=20.0)
     )
     n, r = c.size, c.rank
-    shape = (41, 97)  # float64: 31 pieces of 1 KiB, the last ragged
+    shape = (41, 97)  # float64: 32 pieces of 1 KiB, the last ragged
     on_device = where == "device" or r % 2 == 0
     xp = cupy if on_device else np
     send = xp.asarray(contribution(r, shape, "float64"))
