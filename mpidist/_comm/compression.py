@@ -15,7 +15,17 @@ pieces of ``options.piece_bytes``, each as follows over N ranks:
    the float32 output.
 
 Every value crosses each link once in 16 bits each way: half the bytes of
-an exact ring allreduce. With the two-level algorithm
+an exact ring allreduce.
+
+The pieces run as a pipeline, so that the link never waits for the
+conversions: while the slices of :data:`AHEAD` pieces cross, the rank sums
+and rounds an earlier piece, and while the rounded sums of :data:`BEHIND`
+pieces are gathered, it widens an earlier one into the output. Each step is
+a nonblocking ``MPI_Ialltoall`` or ``MPI_Iallgather`` (between two ranks, one
+message each way: the same bits, point to point), and every rank starts them
+in the same order.
+
+With the two-level algorithm
 (:mod:`~mpidist._comm.algorithms.hierarchical`, which
 :meth:`~mpidist._comm.algorithms.Algorithms.choose_compressed` picks for every
 compressed reduction wherever it was built: ``hierarchical=True``, or ranks
@@ -23,27 +33,31 @@ across nodes with more than one on some node) the ranks of a node first
 reduce onto their leader in float32, only the leaders exchange 16 bits as
 above, and the leader broadcasts the float32 result within its node: one
 rounding of each node's sum, and each node's sum crosses its link once in
-16 bits each way.
+16 bits each way: each piece is reduced onto the leader, the leaders
+exchange the whole buffer's pieces as the pipeline below, and each piece is
+broadcast (:meth:`~mpidist._comm.algorithms.Hierarchical.stages`).
 
 Every rank ends with the same values (they come from the same 16-bit
 slices), so every rank reaches the same verdict on them without another
 message: a piece whose result holds Inf or NaN (a sum beyond float16's
-range, ±65504, or a non-finite input) raises
-:class:`~mpidist.NonFiniteError` on every rank. Pieces reduced before it
-hold their results.
+range, ±65504, or a non-finite input) raises :class:`~mpidist.NonFiniteError`
+on every rank, once every piece was reduced. The pieces before it hold their
+results (and were handed over as they landed: a large update applies each
+piece to its variable while it is in cache); no later one is handed over.
 
 The conversions are NumPy's or CuPy's casts on the array's own device
 (those of :mod:`~mpidist._comm.half`); the 16-bit slices reach MPI as their
 bits through :meth:`~mpidist._comm.backend.Backend.to_mpi`. The scratch
-buffers (two 16-bit and one float32 buffer of a piece, per array module,
-encoding and group size) are reused across calls. The error bound is derived
-in ``docs/compression.md``.
+buffers (a 16-bit row per piece in the pipeline, at most ``AHEAD + BEHIND + 1``
+sent and ``AHEAD + 1`` received, and one float32 row, per array module,
+encoding and group size: up to 24 MiB with the default 2 MiB pieces) are
+reused across calls. The error bound is derived in ``docs/compression.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -62,6 +76,14 @@ if TYPE_CHECKING:
 __all__ = ["Compression", "applies", "wire_error", "wire_of"]
 
 _F32 = np.dtype(np.float32)
+# The pipeline's depth (module docstring): pieces whose 16-bit slices are exchanged at once, and pieces whose rounded
+# sums are gathered at once.
+AHEAD = 8
+BEHIND = 4
+# Elements converted between two tests of MPI's progress (_chunks): 64 Ki, 0.1-0.5 ms of a conversion here
+CHUNK = 1 << 16
+# Tags of the point-to-point messages between two ranks (the deadline's are 7702-7704, the two-level leaders' 7710)
+_TAG_EXCHANGE, _TAG_GATHER, _TAG_PROGRESS = 7720, 7721, 7722  # _TAG_PROGRESS: probed, never sent
 # 16-bit float dtypes' ranges, for messages
 _RANGE = {"fp16": "float16's range (largest finite value 65504)", "bf16": "bfloat16's range (as float32's)"}
 
@@ -124,85 +146,191 @@ class Compression:
         self._backend = backend
         self._cuda_aware = cuda_aware
         self._step = max(1, transport.options.piece_bytes // _F32.itemsize)
-        # (array type, encoding, group size) -> (16-bit slices sent, 16-bit slices received, float32 widened)
+        # (array type, encoding, group size) -> (16-bit rows sent, 16-bit rows received, float32 widened): _buffers
         self._scratch: dict[tuple[type, str, int], tuple[Array, Array, Array]] = {}
 
-    def reduce(self, what: str, buffer: Array, op: ReduceOp, wire: str) -> None:
+    def reduce(
+        self, what: str, buffer: Array, op: ReduceOp, wire: str, landed: Optional[Callable[[int, int], None]] = None
+    ) -> None:
         """Collective: the flat float32 ``buffer`` <- ``op`` (SUM or MEAN) of every rank's, 16 bits on the wire.
 
-        Raises :class:`~mpidist.NonFiniteError` on every rank when a piece's result is not finite.
+        ``landed(lo, hi)`` (local) runs once ``buffer[lo:hi]``, a piece, holds its result, in the pieces'
+        order (while it is likely in cache). Raises :class:`~mpidist.NonFiniteError` on every rank when a
+        piece's result is not finite, once every piece was reduced: ``buffer`` then holds the results of the
+        pieces before it, which ``landed`` was given, and ``landed`` is given no later one.
         """
         t = self._transport
         if t.size == 1:
+            if landed is not None:
+                landed(0, buffer.size)
             return
-        backend = self._backend
+        backend, step = self._backend, self._step
         ready = backend.to_mpi(buffer, self._cuda_aware)
-        reduction = self._choose()
-        two_level = reduction if isinstance(reduction, Hierarchical) else None
         xp = array_module(ready)
-        for lo in range(0, ready.size, self._step):
-            piece = ready[lo : lo + self._step]
-            if two_level is None:
-                self._exchange(what, t.comm, piece, op, wire)
-            else:
+        bad: list[int] = []  # where the first piece whose result is not finite begins
 
-                def across(leaders: MPI.Intracomm, piece: Array = piece) -> None:
-                    self._exchange(what, leaders, piece, op, wire)
-                    backend.to_mpi(piece, self._cuda_aware)  # written on its device: ready for the broadcast
-
-                two_level.stages(what, piece, MPI.SUM, across)
+        def finish(lo: int) -> None:
+            if bad:
+                return
+            piece = ready[lo : lo + step]
             if not bool(xp.isfinite(piece).all()):
-                backend.from_mpi(buffer, ready)
-                self._refuse(what, wire, xp, piece, lo)
-        backend.from_mpi(buffer, ready)
+                bad.append(lo)
+                return
+            backend.from_mpi(buffer[lo : lo + step], piece)
+            if landed is not None:
+                landed(lo, lo + piece.size)
 
-    def _exchange(self, what: str, comm: MPI.Intracomm, piece: Array, op: ReduceOp, wire: str) -> None:
-        """Collective over ``comm``: the float32 ``piece`` (MPI-ready) <- the sum of every rank's over ``comm``,
-        through 16-bit slices (steps 1-4 of the module docstring); ``MEAN`` divides by the whole job's size."""
+        reduction = self._choose()
+        with np.errstate(over="ignore", invalid="ignore"):  # an Inf is refused on every rank, not warned of
+            if isinstance(reduction, Hierarchical):
+
+                def across(leaders: MPI.Intracomm) -> None:
+                    self._exchange(what, leaders, ready, op, wire, None)
+                    backend.to_mpi(ready, self._cuda_aware)  # written on its device: ready for the broadcast
+
+                starts = range(0, ready.size, step)
+                pieces = [ready[lo : lo + step] for lo in starts]
+                reduction.stages(what, pieces, MPI.SUM, across, lambda k: finish(starts[k]))
+            else:
+                self._exchange(what, t.comm, ready, op, wire, finish)
+        if bad:
+            self._refuse(what, wire, xp, ready[bad[0] : bad[0] + step], bad[0])
+
+    def _exchange(
+        self,
+        what: str,
+        comm: MPI.Intracomm,
+        ready: Array,
+        op: ReduceOp,
+        wire: str,
+        finish: Optional[Callable[[int], None]],
+    ) -> None:
+        """Collective over ``comm``: the float32 ``ready`` (MPI-ready) <- the sum of every rank's over ``comm``,
+        through 16-bit slices (steps 1-4 of the module docstring); ``MEAN`` divides by the whole job's size.
+        ``finish(lo)`` (local) runs as each piece, beginning at ``lo``, lands."""
         if comm.size > 1:
-            with np.errstate(over="ignore", invalid="ignore"):  # an Inf is refused on every rank, not warned of
-                self._exchange_slices(what, comm, piece, op, wire)
+            self._pipeline(what, comm, ready, op, wire, finish)
         elif op is ReduceOp.MEAN:  # one leader: the node's float32 sum is the whole sum, nothing crosses a wire
-            divide_in_place(piece, self._transport.size)
+            divide_in_place(ready, self._transport.size)
 
-    def _exchange_slices(self, what: str, comm: MPI.Intracomm, piece: Array, op: ReduceOp, wire: str) -> None:
-        """Collective over ``comm`` (of two ranks or more): steps 1-4 of the module docstring on ``piece``."""
-        n, m = comm.size, piece.size
-        k = -(-m // n)  # elements per slice
-        sent, received, wide = self._buffers(piece, wire, n)
-        sent, received, wide = sent[: n * k], received[: n * k], wide[: n * k]
-        sent[:m] = piece  # the one rounding of each input
-        sent[m:] = 0
-        run, to_mpi = self._transport.run, self._backend.to_mpi
-        run(what, "Alltoall", to_mpi(sent, self._cuda_aware), to_mpi(received, self._cuda_aware), comm=comm)
-        wide[...] = received
-        mine = wide[:k]
-        for r in range(1, n):
-            mine += wide[r * k : (r + 1) * k]
-        if op is ReduceOp.MEAN:
-            divide_in_place(mine, self._transport.size)
-        own = sent[comm.rank * k : (comm.rank + 1) * k]
-        own[...] = mine  # the one rounding of each sum
-        run(what, "Allgather", MPI.IN_PLACE, to_mpi(sent, self._cuda_aware), comm=comm)
-        piece[...] = sent[:m]
+    def _pipeline(
+        self,
+        what: str,
+        comm: MPI.Intracomm,
+        ready: Array,
+        op: ReduceOp,
+        wire: str,
+        finish: Optional[Callable[[int], None]],
+    ) -> None:
+        """Collective over ``comm`` (of two ranks or more): steps 1-4 of the module docstring on each piece of
+        ``ready``, pipelined (see the module docstring): step ``s`` rounds piece ``s`` and starts its exchange
+        (steps 1-2), sums piece ``s - AHEAD`` and starts its gathering (steps 3-4), and widens piece
+        ``s - AHEAD - BEHIND`` into ``ready``. Every rank starts its calls in the same order."""
+        t, n, rank = self._transport, comm.size, comm.rank
+        pieces = [ready[lo : lo + self._step] for lo in range(0, ready.size, self._step)]
+        count = len(pieces)
+        k = -(-pieces[0].size // n)  # elements per slice (of a whole piece; a ragged last one is padded)
+        sent, received, wide = self._buffers(pieces[0], wire, n, count)
+        sent, received, wide = sent[:, : n * k], received[:, : n * k], wide[: n * k]
+        exchanges: list[list[MPI.Request]] = []
+        gatherings: list[list[MPI.Request]] = []
+        try:
+            for s in range(count + AHEAD + BEHIND):
+                if s < count:
+                    row, piece = sent[s % len(sent)], pieces[s]
+                    for lo, hi in self._chunks(what, comm, piece.size):
+                        row[lo:hi] = piece[lo:hi]  # the one rounding of each input
+                    row[piece.size :] = 0
+                    exchanges.append(self._start_exchange(what, comm, row, received[s % len(received)], k))
+                i = s - AHEAD
+                if 0 <= i < count:
+                    t.wait(exchanges[i], what)
+                    theirs, row = received[i % len(received)], sent[i % len(sent)]
+                    for lo, hi in self._chunks(what, comm, k):
+                        mine = wide[lo:hi]
+                        mine[...] = theirs[lo:hi]
+                        for r in range(1, n):
+                            part = wide[r * k + lo : r * k + hi]
+                            part[...] = theirs[r * k + lo : r * k + hi]
+                            mine += part
+                        if op is ReduceOp.MEAN:
+                            divide_in_place(mine, t.size)
+                        row[rank * k + lo : rank * k + hi] = mine  # the one rounding of each sum
+                    gatherings.append(self._start_gathering(what, comm, row, k))
+                j = i - BEHIND
+                if 0 <= j < count:
+                    t.wait(gatherings[j], what)
+                    row, piece = sent[j % len(sent)], pieces[j]
+                    for lo, hi in self._chunks(what, comm, piece.size):
+                        piece[lo:hi] = row[lo:hi]
+                    if finish is not None:
+                        finish(j * self._step)
+        except BaseException:  # MPI may still read or write the rows of the requests in flight: keep them
+            t.stranded += [r for rs in (*exchanges, *gatherings) for r in rs if r]
+            raise
 
-    def _buffers(self, like: Array, wire: str, n: int) -> tuple[Array, Array, Array]:
-        """The reusable scratch buffers for pieces like ``like`` exchanged with ``wire`` over ``n`` ranks."""
+    def _chunks(self, what: str, comm: MPI.Intracomm, size: int) -> Iterator[tuple[int, int]]:
+        """Local: ``(lo, hi)`` ranges of :data:`CHUNK` elements covering ``size``, with a test of MPI's progress
+        on ``comm`` between two of them: the messages in flight move only inside MPI calls (over TCP, a
+        large message waits for its receiver's answer), so a rank that converts a piece in one go holds them
+        up meanwhile."""
+        for lo in range(0, size, CHUNK):
+            if lo:
+                self._transport.call(what, comm.Iprobe, MPI.ANY_SOURCE, _TAG_PROGRESS)
+            yield lo, min(lo + CHUNK, size)
+
+    def _start_exchange(self, what: str, comm: MPI.Intracomm, row: Array, into: Array, k: int) -> list[MPI.Request]:
+        """Collective over ``comm``, nonblocking: slice ``r`` of ``row`` (``k`` elements each) to rank ``r``, and
+        rank ``r``'s slice for this rank into slice ``r`` of ``into`` (an alltoall; point to point between
+        two ranks)."""
+        to_mpi, cuda_aware = self._backend.to_mpi, self._cuda_aware
+        if comm.size > 2:
+            return [self._transport.start("Alltoall", to_mpi(row, cuda_aware), to_mpi(into, cuda_aware), comm=comm)]
+        me, other = comm.rank, 1 - comm.rank
+        into[me * k : (me + 1) * k] = row[me * k : (me + 1) * k]
+        return self._pair(
+            what,
+            comm,
+            to_mpi(row[other * k : (other + 1) * k], cuda_aware),
+            to_mpi(into[other * k : (other + 1) * k], cuda_aware),
+            _TAG_EXCHANGE,
+        )
+
+    def _start_gathering(self, what: str, comm: MPI.Intracomm, row: Array, k: int) -> list[MPI.Request]:
+        """Collective over ``comm``, nonblocking: every rank's slice ``rank`` of ``row`` into slice ``rank`` of
+        every rank's ``row`` (an allgather in place; point to point between two ranks)."""
+        cuda_aware = self._cuda_aware
+        if comm.size > 2:
+            return [self._transport.start("Allgather", MPI.IN_PLACE, self._backend.to_mpi(row, cuda_aware), comm=comm)]
+        ready = self._backend.to_mpi(row, cuda_aware)
+        me, other = comm.rank, 1 - comm.rank
+        return self._pair(what, comm, ready[me * k : (me + 1) * k], ready[other * k : (other + 1) * k], _TAG_GATHER)
+
+    def _pair(self, what: str, comm: MPI.Intracomm, send: Array, into: Array, tag: int) -> list[MPI.Request]:
+        """Local, nonblocking: receive the other rank's message into ``into`` and send ``send`` (of two ranks)."""
+        call, other = self._transport.call, 1 - comm.rank
+        return [call(what, comm.Irecv, into, other, tag), call(what, comm.Isend, send, other, tag)]
+
+    def _buffers(self, like: Array, wire: str, n: int, count: int) -> tuple[Array, Array, Array]:
+        """The reusable scratch of a pipeline of ``count`` pieces like ``like`` exchanged with ``wire`` over ``n``
+        ranks: 16-bit rows sent (a piece's from its rounding to its widening) and received (from its exchange
+        to its sum), and one float32 row; grown when too few."""
         key = (type(like), wire, n)
+        sent_rows, received_rows = min(count, AHEAD + BEHIND + 1), min(count, AHEAD + 1)
         found = self._scratch.get(key)
-        if found is None:
+        if found is None or len(found[0]) < sent_rows or len(found[1]) < received_rows:
             xp = array_module(like)
             dtype = np.dtype(np.float16) if wire == "fp16" else bfloat16()
             length = -(-self._step // n) * n
             found = self._scratch[key] = (
-                xp.empty(length, dtype=dtype),
-                xp.empty(length, dtype=dtype),
+                xp.empty((sent_rows, length), dtype=dtype),
+                xp.empty((received_rows, length), dtype=dtype),
                 xp.empty(length, dtype=_F32),
             )
         return found
 
     def _refuse(self, what: str, wire: str, xp: Any, piece: Array, lo: int) -> None:
-        """Local, on every rank alike: the error for a compressed piece whose result is not finite."""
+        """Local, on every rank alike: the error for a compressed piece (at ``lo``) whose result is not finite."""
         bad = ~xp.isfinite(piece)
         count = int(bad.sum())
         first = lo + int(xp.flatnonzero(bad)[0])

@@ -353,17 +353,19 @@ class Fusion:
     ) -> bool:
         """Reduce the flat ``send`` of several pieces by a pipelined algorithm, applying ``fn`` to each piece as it
         lands; False (nothing done) where the pieces' algorithm is not pipelined, or the data is not reduced
-        exactly at its own width.
+        at its own width. A compressed reduction (``wire``) is a pipeline of its own
+        (:mod:`~mpidist._comm.compression`), whatever the algorithm.
 
         The pipeline holds many pieces at once, so they are reduced in the target itself (``out=``), in ``send``
         (``in_place``) or in a reusable copy of ``send`` (:meth:`scratch`), not in the one bucket. Device data
         that MPI is not handed is staged to the host whole and each piece copied back as it lands: where the
         data is never decides the MPI calls, so ranks holding theirs in different places make the same ones.
         """
-        if op is None or send.dtype.char in HALF_FLOATS or compressed(wire, op, send.dtype):
+        if op is None or send.dtype.char in HALF_FLOATS:
             return False
+        squeezed = wire is not None and compressed(wire, op, send.dtype)
         reduction = self._choose(self._options.piece_bytes)
-        if not reduction.pipelined:
+        if not squeezed and not reduction.pipelined:
             return False
         apply: Optional[UpdateFn] = fn
         if fn is _into and not in_place:  # out=: reduced where it goes
@@ -375,6 +377,9 @@ class Fusion:
         else:
             buffer = self.scratch(send, send.size, "pipeline")[: send.size]
             buffer[...] = send
+        if squeezed and wire is not None:  # the compression divides a MEAN and hands each piece over as it lands
+            self._compression.reduce(what, buffer, op, wire, None if apply is None else _landing(apply, target, buffer))
+            return True
         backend = self._backend
         host = backend.to_mpi(buffer, self._cuda_aware)
         ranges = reduction.pieces(host)
@@ -665,6 +670,11 @@ class Fusion:
         for i, (a, op) in enumerate(zip(arrays, ops)):
             groups.setdefault((a.dtype.str, op), []).append(i)
         return [(key[1], members) for key, members in groups.items()]
+
+
+def _landing(fn: UpdateFn, target: Array, reduced: Array) -> Callable[[int, int], None]:
+    """``fn`` applied to the elements ``lo:hi`` of ``target`` and ``reduced``, as a piece lands."""
+    return lambda lo, hi: fn(target[lo:hi], reduced[lo:hi])
 
 
 def _assign(target: Array, reduced: Array) -> None:

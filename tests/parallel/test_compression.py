@@ -280,6 +280,32 @@ def test_an_fp16_overflow_raises_on_every_rank(comm):
     comm.barrier()  # and the communicator goes on
 
 
+@pytest.mark.parametrize("algorithm", [{}, {"hierarchical": True, "node_size": 1}], ids=["flat", "two_level"])
+def test_a_large_update_that_overflows_applies_the_pieces_before_it_alike(algorithm):
+    # 5000 elements in pieces of 1024, reduced as a pipeline and applied piece by piece as they land: the input
+    # beyond float16's range (index 2500, piece 2) is refused on every rank once every piece was reduced, with
+    # pieces 0-1 applied and no later one
+    s = md.MPIStrategy(piece_bytes=4096, compression="fp16", **algorithm)
+    try:
+        if s.num_replicas_in_sync == 1:
+            pytest.skip("one rank reduces nothing over a wire")
+        with s.scope():
+            v = Variable(np.ones(5000, np.float32), aggregation=Agg.MEAN, name="w")
+        g = np.full(5000, 0.5, np.float32)
+        if s.rank == s.num_replicas_in_sync - 1:
+            g[2500] = 1e6
+        with pytest.raises(md.NonFiniteError, match=r"Inf or NaN at 1 element \(the first at flat index 2500\)"):
+            s.run(lambda: v.assign_add(g))
+        got = v.numpy()
+        np.testing.assert_array_equal(got[:2048], 1.5)
+        np.testing.assert_array_equal(got[2048:], 1.0)
+        same_everywhere(s.extended.communicator, got)
+        s.run(lambda: v.assign_add(np.full(5000, 0.5, np.float32)))  # and the strategy goes on
+        np.testing.assert_array_equal(v.numpy()[2048:], 1.5)
+    finally:
+        s.free()
+
+
 def test_ranks_asking_for_different_compressions_disagree(comm):
     if comm.size == 1:
         pytest.skip("one rank cannot disagree")
@@ -326,6 +352,11 @@ def test_device_arrays(wire):
                 same_everywhere(comm, got)
             s = comm.allreduce_many([cupy.asarray(inputs(comm.rank, 3000))], "sum", compression=wire)[0]
             assert_within(s, wire, "sum", [inputs(r, 3000) for r in range(comm.size)], comm.size)
+            if comm.size > 1 and wire == "fp16":  # a sum beyond float16's range, in the third piece of five
+                big = np.ones(5000, np.float32)
+                big[2100] = 40000.0
+                with pytest.raises(md.NonFiniteError, match=r"at 1 element \(the first at flat index 2100\)"):
+                    comm.allreduce(cupy.asarray(big), "sum", compression=wire)
     finally:
         two.free()
         c.free()

@@ -653,6 +653,7 @@ _FUNCTIONS = [
     "fmax",
     "fmin",
     "isfinite",
+    "flatnonzero",
     "isnan",
     "isinf",
     "where",
