@@ -50,7 +50,7 @@ The conversions are NumPy's or CuPy's casts on the array's own device
 bits through :meth:`~mpidist._comm.backend.Backend.to_mpi`. The scratch
 buffers (a 16-bit row per piece in the pipeline, at most ``AHEAD + BEHIND + 1``
 sent and ``AHEAD + 1`` received, and one float32 row, per array module,
-encoding and group size: up to 24 MiB with the default 2 MiB pieces) are
+encoding and group size: up to 44 MiB with the default 2 MiB pieces) are
 reused across calls. The error bound is derived in ``docs/compression.md``.
 """
 
@@ -78,8 +78,8 @@ __all__ = ["Compression", "applies", "wire_error", "wire_of"]
 _F32 = np.dtype(np.float32)
 # The pipeline's depth (module docstring): pieces whose 16-bit slices are exchanged at once, and pieces whose rounded
 # sums are gathered at once.
-AHEAD = 8
-BEHIND = 4
+AHEAD = 16
+BEHIND = 8
 # Elements converted between two tests of MPI's progress (_chunks): 64 Ki, 0.1-0.5 ms of a conversion here
 CHUNK = 1 << 16
 # Tags of the point-to-point messages between two ranks (the deadline's are 7702-7704, the two-level leaders' 7710)

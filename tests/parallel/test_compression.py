@@ -20,6 +20,7 @@ import mpidist as md
 from arrays import host
 from mpidist import Variable, VariableAggregation as Agg
 from mpidist._comm.communicator import Communicator
+from mpidist._comm.compression import AHEAD, BEHIND
 from mpidist._options import Options
 
 pytestmark = pytest.mark.mpi
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.mpi
 WIRES = ["fp16", "bf16"]
 UNIT = {"fp16": 2.0**-11, "bf16": 2.0**-8}  # u: the unit roundoff of each 16-bit format
 SIXTEEN = {"fp16": np.float16, "bf16": None}  # bf16: ml_dtypes' bfloat16, looked up in sixteen()
-# sizes: below N (at 3 ranks), ragged over N, above the record's 32 data slots, several pieces, ragged pieces
-SIZES = [1, 2, 5, 33, 1000, 1021, 4096, 5003]
+# sizes: below N (at 3 ranks), ragged over N, above the record's 32 data slots, several pieces, ragged pieces, more
+# pieces than the pipeline's rows (40 of 1024 elements, the last ragged: compression.AHEAD + BEHIND + 1 rows)
+SIZES = [1, 2, 5, 33, 1000, 1021, 4096, 5003, 40_003]
 
 
 def sixteen(wire: str):
@@ -102,6 +104,7 @@ def two_level(request):
 @pytest.mark.parametrize("wire", WIRES)
 @pytest.mark.parametrize("op", ["sum", "mean"])
 def test_within_the_bound_and_rounded_once(comm, unchecked, wire, op):
+    assert max(SIZES) // 1024 > AHEAD + BEHIND + 1  # the pipeline reuses its rows
     for c in (comm, unchecked):
         for n in SIZES:
             xs = [inputs(r, n) for r in range(c.size)]
@@ -254,7 +257,7 @@ def test_fused_lists(comm, wire):
 def test_two_level_rounds_once_per_node(two_level, wire, op):
     k = two_level.options.node_size
     nodes = -(-two_level.size // k)
-    for n in (40, 1021, 5003):
+    for n in (40, 1021, 5003, 40_003):
         xs = [inputs(r, n, salt=3) for r in range(two_level.size)]
         got = two_level.allreduce(xs[two_level.rank], op, compression=wire)
         assert_within(got, wire, op, xs, two_level.size)
