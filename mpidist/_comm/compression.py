@@ -45,8 +45,10 @@ on every rank, once every piece was reduced. The pieces before it hold their
 results (and were handed over as they landed: a large update applies each
 piece to its variable while it is in cache); no later one is handed over.
 
-The conversions are NumPy's or CuPy's casts on the array's own device
-(those of :mod:`~mpidist._comm.half`); the 16-bit slices reach MPI as their
+The conversions run on the array's own device: rounding to float16 on the
+host by :class:`~mpidist._comm.half.Narrowing` (the same bits as NumPy's cast
+in about 60% of its time), the rest by NumPy's or CuPy's casts; the 16-bit
+slices reach MPI as their
 bits through :meth:`~mpidist._comm.backend.Backend.to_mpi`. The scratch
 buffers (a 16-bit row per piece in the pipeline, at most ``AHEAD + BEHIND + 1``
 sent and ``AHEAD + 1`` received, and one float32 row, per array module,
@@ -64,6 +66,7 @@ from mpi4py import MPI
 
 from mpidist._comm.algorithms import Algorithms, Hierarchical
 from mpidist._comm.backend import Backend, array_module
+from mpidist._comm.half import Narrowing
 from mpidist._comm.reduce_op import ReduceOp, divide_in_place
 from mpidist._comm.transport import Transport
 from mpidist._dtypes import bfloat16
@@ -146,6 +149,7 @@ class Compression:
         self._backend = backend
         self._cuda_aware = cuda_aware
         self._step = max(1, transport.options.piece_bytes // _F32.itemsize)
+        self._narrowing = Narrowing(CHUNK)
         # (array type, encoding, group size) -> (16-bit rows sent, 16-bit rows received, float32 widened): _buffers
         self._scratch: dict[tuple[type, str, int], tuple[Array, Array, Array]] = {}
 
@@ -232,6 +236,7 @@ class Compression:
         k = -(-pieces[0].size // n)  # elements per slice (of a whole piece; a ragged last one is padded)
         sent, received, wide = self._buffers(pieces[0], wire, n, count)
         sent, received, wide = sent[:, : n * k], received[:, : n * k], wide[: n * k]
+        narrow = self._narrowing.into
         exchanges: list[list[MPI.Request]] = []
         gatherings: list[list[MPI.Request]] = []
         try:
@@ -239,7 +244,7 @@ class Compression:
                 if s < count:
                     row, piece = sent[s % len(sent)], pieces[s]
                     for lo, hi in self._chunks(what, comm, piece.size):
-                        row[lo:hi] = piece[lo:hi]  # the one rounding of each input
+                        narrow(row[lo:hi], piece[lo:hi])  # the one rounding of each input
                     row[piece.size :] = 0
                     exchanges.append(self._start_exchange(what, comm, row, received[s % len(received)], k))
                 i = s - AHEAD
@@ -255,7 +260,7 @@ class Compression:
                             mine += part
                         if op is ReduceOp.MEAN:
                             divide_in_place(mine, t.size)
-                        row[rank * k + lo : rank * k + hi] = mine  # the one rounding of each sum
+                        narrow(row[rank * k + lo : rank * k + hi], mine)  # the one rounding of each sum
                     gatherings.append(self._start_gathering(what, comm, row, k))
                 j = i - BEHIND
                 if 0 <= j < count:
