@@ -210,27 +210,15 @@ class Compression:
         finish: Optional[Callable[[int], None]],
     ) -> None:
         """Collective over ``comm``: the float32 ``ready`` (MPI-ready) <- the sum of every rank's over ``comm``,
-        through 16-bit slices (steps 1-4 of the module docstring); ``MEAN`` divides by the whole job's size.
-        ``finish(lo)`` (local) runs as each piece, beginning at ``lo``, lands."""
-        if comm.size > 1:
-            self._pipeline(what, comm, ready, op, wire, finish)
-        elif op is ReduceOp.MEAN:  # one leader: the node's float32 sum is the whole sum, nothing crosses a wire
-            divide_in_place(ready, self._transport.size)
-
-    def _pipeline(
-        self,
-        what: str,
-        comm: MPI.Intracomm,
-        ready: Array,
-        op: ReduceOp,
-        wire: str,
-        finish: Optional[Callable[[int], None]],
-    ) -> None:
-        """Collective over ``comm`` (of two ranks or more): steps 1-4 of the module docstring on each piece of
-        ``ready``, pipelined (see the module docstring): step ``s`` rounds piece ``s`` and starts its exchange
-        (steps 1-2), sums piece ``s - AHEAD`` and starts its gathering (steps 3-4), and widens piece
-        ``s - AHEAD - BEHIND`` into ``ready``. Every rank starts its calls in the same order."""
+        by steps 1-4 of the module docstring on each piece, pipelined: step ``s`` rounds piece ``s`` and starts
+        its exchange (steps 1-2), sums piece ``s - AHEAD`` and starts its gathering (steps 3-4), and widens
+        piece ``s - AHEAD - BEHIND`` into ``ready``, calling ``finish(lo)`` (local) with where it begins.
+        Every rank starts its calls in the same order. ``MEAN`` divides by the whole job's size."""
         t, n, rank = self._transport, comm.size, comm.rank
+        if n == 1:  # one leader (finish: None): the node's float32 sum is the whole sum, nothing crosses a wire
+            if op is ReduceOp.MEAN:
+                divide_in_place(ready, t.size)
+            return
         pieces = [ready[lo : lo + self._step] for lo in range(0, ready.size, self._step)]
         count = len(pieces)
         k = -(-pieces[0].size // n)  # elements per slice (of a whole piece; a ragged last one is padded)

@@ -6,7 +6,8 @@ result depends on the library's reduction order. mpidist reduces both in
 float32 instead: a piece of the array at a time is copied into a float32
 buffer (exactly: float32 holds every 16-bit float), that buffer is reduced by
 the algorithm the communicator chooses, a ``MEAN`` is divided there, and the
-result is rounded to 16 bits once. So a ``SUM`` is the float32 sum rounded
+result is rounded to 16 bits once (to float16 on the host by
+:class:`Narrowing`, which compressed reductions use too). So a ``SUM`` is the float32 sum rounded
 once to the array's dtype, which is the exactly rounded sum whenever the
 float32 sum is exact: when the exponents (powers of two) of an element's
 values at N ranks differ by at most ``16 - ceil(log2(N))`` for bfloat16
