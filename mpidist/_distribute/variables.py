@@ -20,9 +20,10 @@ object per synchronization mode (TF's ``OnWritePolicy`` / ``OnReadPolicy``):
 The surface other modules use (the strategy, ``strategy.extended``,
 checkpoints): a variable's ``component`` (a plain attribute: the update path
 reads it for every update), ``name``, ``aggregation``, ``strategy``,
-:meth:`~DistributedVariable.coerce`, :meth:`~DistributedVariable.count_update`
-and its ``policy`` (a :class:`Policy`). They never read a variable's
-underscore attributes.
+:meth:`~DistributedVariable.coerce`, :meth:`~DistributedVariable.count_update`,
+its ``policy`` (a :class:`Policy`) and ``prepared_updates`` (the strategy's
+cache of the updates prepared for it, by update function). They never read a
+variable's underscore attributes.
 
 Which operations are collective is said in each docstring.
 """
