@@ -5,8 +5,9 @@ of them) as it starts its ``N``-th agreement (counted from 1 over every mpidist 
 process);
 ``"RANK:piece:N"`` as it starts the ``N``-th piece of a reduction (the pipelined pieces of large
 reductions: each one call of the algorithm, or, in the two-level pipeline, one nonblocking reduce
-onto the node leader); ``"RANK:call:N"`` as it starts its ``N``-th blocking MPI data call
-(any collective's, such as a compressed reduction's exchanges). :func:`install` wraps the methods
+onto the node leader); ``"RANK:call:N"`` as it starts its ``N``-th MPI data collective,
+blocking or nonblocking (any collective's, such as a compressed reduction's exchanges and
+gatherings). :func:`install` wraps the methods
 in place: the library has no hook of its own, and a run without the variable is untouched. Timing
 alone would hit a different moment in every run; counting hits the same one. With ``MPIDIST_TEST_KILL_STAMP`` set,
 the rank writes the time of its death (``time.time()``) to that file first, for the survivors to
@@ -48,8 +49,9 @@ def install() -> None:
     elif what == "piece":
         Reduction.reduce = counter(Reduction.reduce)  # type: ignore[method-assign]  # the test's own wrapper
         Transport.start = counter(Transport.start, only=lambda _, mpi_name, *args, **kwargs: mpi_name == "Reduce")
-    elif what == "call":
+    elif what == "call":  # run() starts the nonblocking form under a deadline: counted once (_counter)
         Transport.run = counter(Transport.run)  # type: ignore[method-assign]
+        Transport.start = counter(Transport.start)  # type: ignore[method-assign]
     else:
         raise ValueError(f"MPIDIST_TEST_KILL: expected RANK:agreement:N, RANK:piece:N or RANK:call:N, got {spec!r}")
 
