@@ -363,9 +363,9 @@ class Fusion:
         """
         if op is None or send.dtype.char in HALF_FLOATS:
             return False
-        squeezed = wire is not None and compressed(wire, op, send.dtype)
+        squeezed = wire if compressed(wire, op, send.dtype) else None  # the call's compression, where it applies
         reduction = self._choose(self._options.piece_bytes)
-        if not squeezed and not reduction.pipelined:
+        if squeezed is None and not reduction.pipelined:
             return False
         apply: Optional[UpdateFn] = fn
         if fn is _into and not in_place:  # out=: reduced where it goes
@@ -377,8 +377,10 @@ class Fusion:
         else:
             buffer = self.scratch(send, send.size, "pipeline")[: send.size]
             buffer[...] = send
-        if squeezed and wire is not None:  # the compression divides a MEAN and hands each piece over as it lands
-            self._compression.reduce(what, buffer, op, wire, None if apply is None else _landing(apply, target, buffer))
+        if squeezed is not None:  # the compression divides a MEAN and hands each piece over as it lands
+            self._compression.reduce(
+                what, buffer, op, squeezed, None if apply is None else _landing(apply, target, buffer)
+            )
             return True
         backend = self._backend
         host = backend.to_mpi(buffer, self._cuda_aware)
