@@ -47,7 +47,7 @@ piece to its variable while it is in cache); no later one is handed over.
 
 The conversions run on the array's own device: rounding to float16 on the
 host by :class:`~mpidist._comm.half.Narrowing` (the same bits as NumPy's cast
-in about 60% of its time), the rest by NumPy's or CuPy's casts; the 16-bit
+in 60-70% of its time), the rest by NumPy's or CuPy's casts; the 16-bit
 slices reach MPI as their
 bits through :meth:`~mpidist._comm.backend.Backend.to_mpi`. The scratch
 buffers (a 16-bit row per piece in the pipeline, at most ``AHEAD + BEHIND + 1``

@@ -51,7 +51,7 @@ class Narrowing:
     NumPy casts float32 to float16 one element at a time (3.5-6.7 ns per
     element measured on a CPU with F16C); these integer steps over NumPy
     arrays of up to ``chunk`` elements (scratch held here, reused) give the
-    same bits, round to nearest even, in about 60% of the time. NaN is the
+    same bits, round to nearest even, in 60-70% of the time. NaN is the
     one exception: any NaN becomes the quiet NaN of its sign, where NumPy
     keeps part of the payload. Other targets (bfloat16, device arrays) take
     their own cast.
